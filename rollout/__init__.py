@@ -1,0 +1,1 @@
+"""Traffic splits between model variants, canary plans and automatic rollback."""

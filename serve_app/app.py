@@ -1,0 +1,55 @@
+"""Builds the Ray Serve application from an :class:`AppConfig`."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import HTTPOptions
+
+from serve_app.config import AppConfig, VariantConfig
+from serve_app.deployments.ingress import Ingress
+from serve_app.deployments.llm_server import LLMServer
+
+APP_NAME = "seekserve"
+
+
+def llm_deployment_name(model: str, variant: str) -> str:
+    return f"LLMServer-{model}-{variant}"
+
+
+def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
+    max_ongoing = v.effective_max_ongoing_requests()
+    return serve.deployment(LLMServer).options(
+        name=llm_deployment_name(model, v.name),
+        num_replicas=v.num_replicas,
+        max_ongoing_requests=max_ongoing,
+        # bound the callers' queues too: past this Serve raises BackPressureError -> 429
+        max_queued_requests=max_ongoing,
+        ray_actor_options={"num_cpus": v.resources.num_cpus, "num_gpus": v.resources.num_gpus},
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=60,
+    ).bind(model, v.name, v.engine.backend, v.engine.options, max_tokens_default)
+
+
+def build_app(config: AppConfig):
+    handles: dict[str, dict] = {}
+    for m in config.models:
+        for v in m.variants:
+            handles.setdefault(m.name, {})[v.name] = _llm_deployment(m.name, v, config.limits.max_tokens_default)
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress",
+        num_replicas=config.server.ingress_replicas,
+        max_ongoing_requests=config.server.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(config.model_dump(), handles)
+
+
+def http_options(config: AppConfig) -> HTTPOptions:
+    return HTTPOptions(host=config.server.host, port=config.server.http_port)
+
+
+def deploy(config: AppConfig, blocking: bool = False):
+    """Start Serve on the connected Ray cluster and deploy the app."""
+    serve.start(http_options=http_options(config))
+    return serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=blocking)

@@ -1,0 +1,89 @@
+"""``seekserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+def _load(path: str):
+    from serve_app.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+
+
+def cmd_config_validate(args) -> int:
+    cfg = _load(args.config)
+    print(f"{args.config}: ok ({len(cfg.models)} model(s), "
+          f"{sum(len(m.variants) for m in cfg.models)} variant(s))")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    cfg = _load(args.config)
+    import ray
+    from ray import serve
+
+    from serve_app.app import deploy
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=not args.quiet)
+    print(f"deploying {args.config} (first start dequantises the embedded model: ~30 s)", flush=True)
+    deploy(cfg)
+    url = f"http://{cfg.server.host}:{cfg.server.http_port}"
+    model = cfg.models[0].name
+    print(f"\nseekserve is serving at {url}/v1  (models: {', '.join(m.name for m in cfg.models)})")
+    print("try:")
+    print(
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"    -d '{json.dumps({'model': model, 'messages': [{'role': 'user', 'content': 'What is the capital of France?'}]})}'"
+    )
+    print("Ctrl-C stops it.", flush=True)
+    if args.detach:
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="seekserve", description="Ray Serve LLM serving cluster.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start a local Ray (or join one) and serve the app")
+    s.add_argument("--config", default=str(DEFAULT_CONFIG), help="app config YAML")
+    s.add_argument("--address", default=None, help="Ray address to join; default: start a local Ray")
+    s.add_argument("--detach", action="store_true", help="return once deployed (cluster keeps serving)")
+    s.add_argument("--quiet", action="store_true", help="do not stream worker logs to the console")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("config", help="configuration tools")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    v = csub.add_parser("validate", help="validate an app config YAML")
+    v.add_argument("config")
+    v.set_defaults(func=cmd_config_validate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Application configuration (pydantic v2), loaded from YAML.
+
+Every field has a description; unknown keys are rejected; cross-field rules
+live in ``model_validator(mode="after")``. :func:`load_config` reports each
+problem with its field path (``models[0].variants[1].weight: ...``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from serve_app._model import StrictModel
+from serve_app.engines.registry import UnknownEngineError, options_model_for
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """A configuration file or object is invalid; the message names each field."""
+
+
+class EngineSpec(StrictModel):
+    backend: str = Field(description="Registered engine backend name (hf, null, trtllm).")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Backend-specific options, validated by the backend's schema."
+    )
+
+    @model_validator(mode="after")
+    def _validate_options(self) -> "EngineSpec":
+        try:
+            schema = options_model_for(self.backend)
+        except UnknownEngineError as e:
+            raise ValueError(str(e)) from e
+        try:
+            validated = schema.model_validate(self.options)
+        except ValidationError as e:
+            raise ValueError(f"engine.options for backend {self.backend!r}: {format_errors(e)}") from e
+        # store the normalised form so replicas receive complete, defaulted options
+        object.__setattr__(self, "options", validated.model_dump())
+        return self
+
+
+class ReplicaResources(StrictModel):
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved by each LLMServer replica.")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs reserved by a replica with tensor_parallel_size 1."
+    )
+
+
+class VariantConfig(StrictModel):
+    name: str = Field(description="Variant name, unique within its model (e.g. stable, canary).")
+    weight: int = Field(100, ge=0, le=100, description="Share of the model's traffic, percent.")
+    engine: EngineSpec = Field(description="Which engine serves this variant, and its options.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) per replica.")
+    num_replicas: int = Field(1, ge=1, le=1024, description="Replicas when autoscaling is off.")
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        description="Ray Serve's per-replica concurrency cap; default: the engine's batch "
+        "plus its waiting queue, so that the engine's own bound answers 429 first.",
+    )
+    resources: ReplicaResources = Field(
+        default_factory=ReplicaResources, description="Resources each replica reserves."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be 1-128 of letters, digits, '.', '_' or '-', starting alphanumeric")
+        return v
+
+    def effective_max_ongoing_requests(self) -> int:
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        opts = self.engine.options
+        return int(opts.get("max_num_seqs", 64)) + int(opts.get("max_waiting_requests", 64)) + 8
+
+
+class ModelConfig(StrictModel):
+    name: str = Field(description="The model name clients send in the 'model' field.")
+    variants: list[VariantConfig] = Field(min_length=1, description="Variants serving this model.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be 1-128 of letters, digits, '.', '_' or '-', starting alphanumeric")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        names = [v.name for v in self.variants]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate variant names: {sorted(dup)}")
+        total = sum(v.weight for v in self.variants)
+        if total != 100:
+            raise ValueError(f"variant weights must sum to 100, got {total}")
+        return self
+
+
+class LimitsConfig(StrictModel):
+    max_tokens_default: int = Field(
+        256, ge=1, description="max_tokens when a request names none (capped by the context left)."
+    )
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_stop_sequences: int = Field(4, ge=0, le=64, description="Most stop strings per request.")
+    max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_top_logprobs: int = Field(20, ge=0, le=100, description="Largest top_logprobs per request.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted.")
+    max_prompt_chars: int = Field(
+        1 << 20, ge=1, description="Longest prompt text before tokenizing (cheap early rejection)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "LimitsConfig":
+        if self.max_tokens_default > self.max_tokens_limit:
+            raise ValueError(
+                f"max_tokens_default ({self.max_tokens_default}) exceeds max_tokens_limit "
+                f"({self.max_tokens_limit})"
+            )
+        return self
+
+
+class TimeoutsConfig(StrictModel):
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="End-to-end limit of one request; past it: 504 and abort."
+    )
+    first_token_timeout_s: float | None = Field(
+        None, gt=0, description="Limit on waiting for the first token; default: request_timeout_s."
+    )
+    retry_after_s: float = Field(1.0, gt=0, description="Retry-After advertised with 429.")
+
+
+class ServerConfig(StrictModel):
+    host: str = Field("127.0.0.1", description="Address the HTTP (and gRPC) proxy binds.")
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
+    ingress_max_ongoing_requests: int = Field(
+        2048, ge=1, description="Concurrency cap of each ingress replica."
+    )
+    ingress_replicas: int = Field(1, ge=1, le=64, description="Ingress replicas.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServerConfig":
+        if self.http_port == self.grpc_port:
+            raise ValueError(f"http_port and grpc_port are both {self.http_port}")
+        return self
+
+
+class AppConfig(StrictModel):
+    models: list[ModelConfig] = Field(min_length=1, description="Served models.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Timeouts.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="Network endpoints.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate model names: {sorted(dup)}")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def format_errors(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        path = ""
+        for loc in err["loc"]:
+            path += f"[{loc}]" if isinstance(loc, int) else (f".{loc}" if path else str(loc))
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{path or '<root>'}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_config(data: Any) -> AppConfig:
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e)) from e
+
+
+def load_config(path: str | Path) -> AppConfig:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    try:
+        return parse_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from e

@@ -1,0 +1,112 @@
+"""LLMServer: one Ray Serve deployment per model variant, hosting one engine.
+
+It tokenizes, applies request limits that need the tokenizer (context length,
+default max_tokens), runs the engine, and reports engine stats to Serve's
+autoscaler. The engine is loaded and warmed up in ``__init__``, so a replica
+reports ready only once it can answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from serve_app.engines.base import GenerationRequest, SamplingParams
+from serve_app.engines.registry import create_engine
+from serve_app.errors import InvalidRequestError
+from serve_app.internal import Completion, Delta, InferenceRequest
+
+log = logging.getLogger("seekserve.llm_server")
+
+
+class LLMServer:
+    async def __init__(
+        self,
+        model_name: str,
+        variant: str,
+        backend: str,
+        engine_options: dict,
+        max_tokens_default: int = 256,
+    ):
+        self.model_name = model_name
+        self.variant = variant
+        self.max_tokens_default = max_tokens_default
+        self.engine = create_engine(backend, engine_options)
+        await self.engine.start()
+        log.info("LLMServer %s/%s ready (backend %s)", model_name, variant, backend)
+
+    def _to_generation_request(self, req: InferenceRequest) -> GenerationRequest:
+        eng = self.engine
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+        elif req.messages is not None:
+            ids = eng.encode_chat(req.messages)
+        else:
+            ids = eng.encode_text(req.prompt or "")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if req.prompt_token_ids is not None and any(t < 0 for t in ids):
+            raise InvalidRequestError("prompt token ids must be non-negative", param="prompt")
+        room = eng.max_model_len - len(ids)
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            # like vLLM: an unspecified max_tokens fills what the context has left
+            max_tokens = max(1, min(self.max_tokens_default, room))
+        return GenerationRequest(
+            request_id=req.request_id,
+            prompt_token_ids=ids,
+            sampling=SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop=list(req.stop),
+                top_logprobs=req.top_logprobs,
+                ignore_eos=req.ignore_eos,
+            ),
+        )
+
+    async def generate(self, req: InferenceRequest) -> AsyncIterator[Delta]:
+        """Stream deltas; an admission error is raised before the first one."""
+        greq = self._to_generation_request(req)
+        token_text = self.engine.token_text
+        async for c in self.engine.generate(greq):
+            tokens = top = None
+            if req.logprobs:
+                tokens = [token_text(t) for t in c.token_ids]
+                if c.top_logprobs is not None:
+                    top = [[(token_text(t), lp) for t, lp in d.items()] for d in c.top_logprobs]
+            yield Delta(
+                text=c.text,
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                tokens=tokens,
+                top_logprobs=top,
+                finish_reason=c.finish_reason,
+                prompt_tokens=c.num_prompt_tokens,
+                completion_tokens=c.num_generated_tokens,
+            )
+
+    async def generate_full(self, req: InferenceRequest) -> Completion:
+        """The whole answer in one reply: one Ray round trip instead of one per delta."""
+        deltas = [d async for d in self.generate(req)]
+        return Completion.from_deltas(deltas, self.variant)
+
+    async def stats(self) -> dict:
+        s = self.engine.stats().as_dict()
+        s["max_model_len"] = self.engine.max_model_len
+        s["load_time_s"] = getattr(self.engine, "load_time_s", None)
+        return s
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        s = self.engine.stats()
+        return {"queue_depth": float(s.num_waiting), "running": float(s.num_running)}
+
+    async def __del__(self):
+        try:
+            await self.engine.shutdown()
+        except Exception:  # shutting down anyway
+            pass

@@ -1,0 +1,139 @@
+"""The engine contract every backend implements.
+
+Streaming chunks
+    ``generate(request)`` is an async iterator of :class:`EngineChunk`. Each chunk
+    carries the token ids sampled since the previous chunk, the text those tokens
+    released (always whole UTF-8 characters; text that might still turn into a
+    stop string is held back), and one logprob per token id. Exactly one chunk
+    has ``finish_reason`` set, and it is the last: ``"stop"`` (EOS or a stop
+    string), ``"length"`` (``max_tokens`` reached) or ``"abort"`` (aborted by
+    :meth:`Engine.abort` or because the consumer went away). ``num_generated_tokens``
+    is cumulative, so the final chunk carries the usage.
+
+Errors
+    Admission errors are raised by the first ``__anext__`` before any chunk:
+    :class:`~serve_app.errors.OverloadedError` (waiting queue full),
+    :class:`~serve_app.errors.EngineNotReadyError` (not started / stopped),
+    :class:`~serve_app.errors.ContextLengthExceededError` (prompt plus
+    ``max_tokens`` exceeds ``max_model_len``). A failure while generating is raised
+    as :class:`~serve_app.errors.EngineError` from the iterator; other requests
+    in the batch keep going where the backend can isolate the fault.
+
+Stats
+    :meth:`Engine.stats` is cheap and thread-safe: requests waiting (admitted to
+    the engine's queue, not yet scheduled), running (in the batch), KV-cache usage
+    as a fraction of the configured budget, and monotone counters (forward passes,
+    prompt and generated tokens, aborted requests).
+
+Closing the iterator early (``aclose()``, task cancellation, a client that
+disconnects) aborts the request: the engine frees its slot and cache.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, ClassVar
+
+from pydantic import BaseModel
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    top_logprobs: int = 0
+    # Benchmarks want fixed output lengths: generate exactly max_tokens.
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class EngineChunk:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    # logprob of each sampled token under the model's unmodified distribution
+    # (before temperature / top_p), one per entry of token_ids.
+    logprobs: list[float]
+    # when top_logprobs > 0: one {token_id: logprob} dict per entry of token_ids
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
+    forward_passes: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    aborted_requests: int = 0
+    healthy: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Engine(abc.ABC):
+    """A model backend. Subclasses register themselves with :func:`register_engine`."""
+
+    name: ClassVar[str]
+    #: pydantic model of this backend's ``engine.options``
+    options_model: ClassVar[type[BaseModel]]
+
+    def __init__(self, options: BaseModel):
+        self.options = options
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights and warm up; returns when the engine can serve."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Prompt plus generated tokens one sequence may hold."""
+
+    @abc.abstractmethod
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Apply the model's chat template and tokenize."""
+
+    @abc.abstractmethod
+    def encode_text(self, prompt: str) -> list[int]:
+        """Tokenize a raw completion prompt."""
+
+    @abc.abstractmethod
+    def token_text(self, token_id: int) -> str:
+        """Readable text of one token (for logprob listings)."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineChunk]:
+        """Stream chunks for one request (see the module docstring)."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with ``finish_reason="abort"``."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        ...
+
+    @abc.abstractmethod
+    async def check_health(self) -> None:
+        """Raise :class:`~serve_app.errors.EngineNotReadyError` if the engine cannot serve."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        ...

@@ -1,0 +1,548 @@
+"""PyTorch + transformers backend with continuous batching.
+
+One background thread owns the model. Each iteration it (1) admits waiting
+requests while the batch has room and their prompt + max_tokens fit in the
+KV-token budget, (2) prefills the admitted prompts together in one forward
+pass (left-padded), merges them into the running batch, and (3) runs one
+decode step for every running sequence at once. Finished rows are dropped
+from the batch (and the cache) right away, so new requests join on the next
+iteration instead of waiting for the whole batch to drain — the
+continuous-batching scheme of Orca / TGI, on transformers' ``DynamicCache``.
+
+Sampling is per request (temperature, top_p, seed) on the batch's logits.
+Logprobs are of the model's unmodified distribution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from serve_app.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    EngineNotReadyError,
+    InvalidRequestError,
+    OverloadedError,
+)
+
+from .base import Engine, EngineChunk, EngineStats, GenerationRequest
+from .options import HFEngineOptions
+from .textproc import IncrementalDetokenizer, StopStringFilter
+
+log = logging.getLogger(__name__)
+
+_ABORT = "abort"
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    detok: IncrementalDetokenizer
+    stops: StopStringFilter
+    generator: object | None
+    reserved_tokens: int
+    n_generated: int = 0
+    finished: bool = False
+    pend_ids: list = field(default_factory=list)
+    pend_lps: list = field(default_factory=list)
+    pend_top: list = field(default_factory=list)
+
+    def deliver(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _Batch:
+    """Running rows: a left-padded KV cache, its attention mask and the tokens to feed next."""
+
+    def __init__(self, cache, mask, next_tokens):
+        self.cache = cache
+        self.mask = mask  # [B, L] 1 = real token in the cache
+        self.next_tokens = next_tokens  # [B, 1] sampled, not yet in the cache
+
+    @property
+    def size(self) -> int:
+        return int(self.mask.shape[0])
+
+    def _pad_left(self, n: int) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        if n <= 0:
+            return
+        for layer in self.cache.layers:
+            layer.keys = F.pad(layer.keys, (0, 0, n, 0))
+            layer.values = F.pad(layer.values, (0, 0, n, 0))
+        self.mask = torch.cat([self.mask.new_zeros(self.mask.shape[0], n), self.mask], dim=1)
+
+    def merge(self, other: "_Batch") -> None:
+        import torch
+
+        la, lb = self.mask.shape[1], other.mask.shape[1]
+        self._pad_left(lb - la)
+        other._pad_left(la - lb)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
+            mine.values = torch.cat([mine.values, theirs.values], dim=0)
+        self.mask = torch.cat([self.mask, other.mask], dim=0)
+        self.next_tokens = torch.cat([self.next_tokens, other.next_tokens], dim=0)
+
+    def keep(self, rows: list[int]) -> None:
+        import torch
+
+        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.cache.batch_select_indices(idx)
+        self.mask = self.mask.index_select(0, idx)
+        self.next_tokens = self.next_tokens.index_select(0, idx)
+        # drop columns that are padding in every remaining row
+        used = self.mask.sum(dim=0).nonzero()
+        first = int(used[0]) if used.numel() else self.mask.shape[1]
+        if first > 0:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, first:, :]
+                layer.values = layer.values[:, :, first:, :]
+            self.mask = self.mask[:, first:]
+
+
+class HFEngine(Engine):
+    name = "hf"
+    options_model = HFEngineOptions
+
+    def __init__(self, options: HFEngineOptions):
+        super().__init__(options)
+        self.options: HFEngineOptions = options
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[_Seq] = collections.deque()
+        self._aborts: set[str] = set()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []
+        self._by_id: dict[str, _Seq] = {}
+        self._batch: _Batch | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._fatal: BaseException | None = None
+        self._ready = False
+        self._stats = EngineStats()
+        self.load_time_s: float | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
+        self._thread.start()
+        self._ready = True
+
+    def _load(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .model_store import resolve_model_dir
+
+        t0 = time.monotonic()
+        opts = self.options
+        if opts.num_threads:
+            torch.set_num_threads(opts.num_threads)
+        elif opts.device != "cuda":
+            # Ray sets OMP_NUM_THREADS=num_cpus (often 1) in workers; the engine
+            # thread is the only heavy compute in this process, so use the cores.
+            torch.set_num_threads(os.cpu_count() or 1)
+        device = opts.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise EngineNotReadyError("engine.options.device is 'cuda' but no GPU is visible")
+        dtype_name = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype_name)
+        model_dir = resolve_model_dir(opts.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            dtype=self.dtype,
+            attn_implementation=opts.attn_implementation,
+            local_files_only=True,
+        ).to(self.device)
+        self.model.eval()
+        cfg = self.model.config
+        model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        self._max_model_len = min(opts.max_model_len or model_len, model_len, opts.max_kv_tokens)
+        eos = set()
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        for e in (gen_eos if isinstance(gen_eos, list) else [gen_eos]):
+            if e is not None:
+                eos.add(int(e))
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self._eos_ids = eos
+        self._pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos or {0}))
+        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        self._rng = torch.Generator(device="cpu")
+        self._rng.seed()
+        self._warm_up()
+        self.load_time_s = time.monotonic() - t0
+        log.info("hf engine ready: %s on %s/%s in %.1fs", opts.model, device, dtype_name, self.load_time_s)
+
+    def _warm_up(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            ids = self.encode_text("Hello")
+            batch, logits = self._prefill_forward([ids])
+            batch.next_tokens = logits.argmax(-1, keepdim=True)
+            self._decode_forward(batch)
+        self._stats.forward_passes = 0
+
+    async def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        self._ready = False
+
+    async def check_health(self) -> None:
+        if not self._ready:
+            raise EngineNotReadyError("engine is not started")
+        if self._fatal is not None or (self._thread is not None and not self._thread.is_alive()):
+            raise EngineNotReadyError(f"engine loop died: {self._fatal!r}")
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    # ---- tokenization ----------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja errors for roles the template refuses, etc.
+            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e
+        if not isinstance(out, list):
+            out = out["input_ids"]
+        if out and isinstance(out[0], list):
+            out = out[0]
+        return [int(t) for t in out]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---- request path (event loop side) ---------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineChunk]:
+        seq = self._submit(request)
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                self._request_abort(request.request_id)
+
+    def _submit(self, request: GenerationRequest) -> _Seq:
+        import torch
+
+        if not self._ready or self._stopping:
+            raise EngineNotReadyError("engine is not ready")
+        sp = request.sampling
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
+        if n_prompt + sp.max_tokens > self._max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self._max_model_len} tokens. However, you "
+                f"requested {n_prompt + sp.max_tokens} tokens ({n_prompt} in the messages, "
+                f"{sp.max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                param="messages",
+            )
+        gen = None
+        if sp.seed is not None and sp.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(int(sp.seed))
+        seq = _Seq(
+            req=request,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+            detok=IncrementalDetokenizer(self._backend_tokenizer),
+            stops=StopStringFilter(sp.stop),
+            generator=gen,
+            reserved_tokens=n_prompt + sp.max_tokens,
+        )
+        with self._cv:
+            # requests the batch can take right away are not "waiting"
+            free_slots = max(0, self.options.max_num_seqs - len(self._running))
+            if len(self._inbox) + len(self._waiting) >= self.options.max_waiting_requests + free_slots:
+                raise OverloadedError(
+                    f"the engine's waiting queue is full ({self.options.max_waiting_requests} requests)"
+                )
+            if request.request_id in self._by_id:
+                raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+            self._by_id[request.request_id] = seq
+            self._inbox.append(seq)
+            self._cv.notify()
+        return seq
+
+    def _request_abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    async def abort(self, request_id: str) -> None:
+        self._request_abort(request_id)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        batch = self._batch
+        used = int(batch.mask.sum()) if batch is not None else 0
+        return EngineStats(
+            num_waiting=len(self._inbox) + len(self._waiting),
+            num_running=len(self._running),
+            kv_cache_usage=min(1.0, used / self.options.max_kv_tokens),
+            forward_passes=s.forward_passes,
+            prompt_tokens=s.prompt_tokens,
+            generated_tokens=s.generated_tokens,
+            aborted_requests=s.aborted_requests,
+            healthy=self._fatal is None,
+        )
+
+    # ---- engine thread ---------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while (
+                        not self._stopping
+                        and not self._inbox
+                        and not self._aborts
+                        and not self._waiting
+                        and self._batch is None
+                    ):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    self._waiting.extend(self._inbox)
+                    self._inbox.clear()
+                    aborts, self._aborts = self._aborts, set()
+                try:
+                    if aborts:
+                        self._apply_aborts(aborts)
+                    self._iteration()
+                except Exception as e:  # a failed step fails the batch, not the engine
+                    log.exception("engine step failed")
+                    self._fail_running(EngineError(f"generation failed: {e}"))
+        self._fail_all(EngineNotReadyError("engine is shutting down"))
+
+    def _apply_aborts(self, ids: set[str]) -> None:
+        for rid in ids:
+            seq = self._by_id.get(rid)
+            if seq is None or seq.finished:
+                continue
+            self._finish(seq, _ABORT)
+            self._stats.aborted_requests += 1
+        self._waiting = collections.deque(s for s in self._waiting if not s.finished)
+        self._drop_finished()
+
+    def _iteration(self) -> None:
+        new: list[_Seq] = []
+        reserved = sum(s.reserved_tokens for s in self._running)
+        longest = 0
+        opts = self.options
+        while self._waiting and len(self._running) + len(new) < opts.max_num_seqs:
+            seq = self._waiting[0]
+            if reserved + seq.reserved_tokens > opts.max_kv_tokens:
+                break
+            n = len(seq.req.prompt_token_ids)
+            if new and (len(new) + 1) * max(longest, n) > opts.max_prefill_tokens:
+                break
+            self._waiting.popleft()
+            new.append(seq)
+            reserved += seq.reserved_tokens
+            longest = max(longest, n)
+        if new:
+            self._prefill(new)
+        if self._batch is not None:
+            self._decode()
+
+    def _prefill_forward(self, prompts: list[list[int]]):
+        import torch
+        from transformers import DynamicCache
+
+        longest = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), longest), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, longest - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._stats.forward_passes += 1
+        return _Batch(out.past_key_values, mask, None), out.logits[:, -1, :]
+
+    def _decode_forward(self, batch: _Batch):
+        import torch
+
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.size, 1)], dim=1)
+        pos = batch.mask.sum(dim=-1, keepdim=True) - 1
+        out = self.model(
+            input_ids=batch.next_tokens,
+            attention_mask=batch.mask,
+            position_ids=pos,
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        self._stats.forward_passes += 1
+        batch.cache = out.past_key_values
+        return out.logits[:, -1, :]
+
+    def _prefill(self, new: list[_Seq]) -> None:
+        batch, logits = self._prefill_forward([s.req.prompt_token_ids for s in new])
+        self._stats.prompt_tokens += sum(len(s.req.prompt_token_ids) for s in new)
+        batch.next_tokens = self._sample(logits, new)
+        if self._batch is None:
+            self._batch = batch
+        else:
+            self._batch.merge(batch)
+        self._running.extend(new)
+        self._drop_finished()
+
+    def _decode(self) -> None:
+        logits = self._decode_forward(self._batch)
+        self._batch.next_tokens = self._sample(logits, self._running)
+        self._drop_finished()
+
+    def _sample(self, logits, seqs: list[_Seq]):
+        import torch
+
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logits.argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            sp = seq.req.sampling
+            if sp.temperature > 0:
+                row = logits[i] / sp.temperature
+                probs = torch.softmax(row, dim=-1)
+                if sp.top_p < 1.0:
+                    sorted_p, order = probs.sort(descending=True)
+                    # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
+                    drop = (sorted_p.cumsum(0) - sorted_p) >= sp.top_p
+                    sorted_p[drop] = 0.0
+                    probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+                gen = seq.generator if seq.generator is not None else self._rng
+                chosen[i] = torch.multinomial(probs.cpu(), 1, generator=gen).to(chosen.device)[0]
+        chosen_cpu = chosen.tolist()
+        lps = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        want_top = max((s.req.sampling.top_logprobs for s in seqs), default=0)
+        top_vals = top_ids = None
+        if want_top > 0:
+            top_vals, top_ids = logprobs.topk(want_top, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for i, seq in enumerate(seqs):
+            if seq.finished:
+                continue
+            top = None
+            k = seq.req.sampling.top_logprobs
+            if k > 0:
+                top = {int(t): float(v) for t, v in zip(top_ids[i][:k], top_vals[i][:k])}
+            self._on_token(seq, chosen_cpu[i], lps[i], top)
+        return chosen.unsqueeze(1)
+
+    def _on_token(self, seq: _Seq, token: int, logprob: float, top: dict | None) -> None:
+        sp = seq.req.sampling
+        seq.n_generated += 1
+        self._stats.generated_tokens += 1
+        seq.pend_ids.append(token)
+        seq.pend_lps.append(logprob)
+        if top is not None:
+            seq.pend_top.append(top)
+        is_eos = token in self._eos_ids and not sp.ignore_eos
+        text, stopped = ("", False) if is_eos else seq.stops.push(seq.detok.push(token))
+        finish = None
+        if stopped or is_eos:
+            finish = "stop"
+        elif seq.n_generated >= sp.max_tokens:
+            finish = "length"
+        if finish is not None and not stopped:
+            text += seq.stops.flush()
+        if text or finish is not None:
+            self._emit(seq, text, finish)
+        if finish is not None:
+            seq.finished = True
+            self._by_id.pop(seq.req.request_id, None)
+
+    def _emit(self, seq: _Seq, text: str, finish: str | None) -> None:
+        seq.deliver(
+            EngineChunk(
+                request_id=seq.req.request_id,
+                token_ids=seq.pend_ids,
+                text=text,
+                logprobs=seq.pend_lps,
+                top_logprobs=seq.pend_top if seq.req.sampling.top_logprobs > 0 else None,
+                finish_reason=finish,
+                num_prompt_tokens=len(seq.req.prompt_token_ids),
+                num_generated_tokens=seq.n_generated,
+            )
+        )
+        seq.pend_ids, seq.pend_lps, seq.pend_top = [], [], []
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        self._emit(seq, "", reason)
+        seq.finished = True
+        self._by_id.pop(seq.req.request_id, None)
+
+    def _drop_finished(self) -> None:
+        if not any(s.finished for s in self._running):
+            return
+        keep = [i for i, s in enumerate(self._running) if not s.finished]
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._batch = None
+        else:
+            self._batch.keep(keep)
+
+    def _fail_running(self, err: BaseException) -> None:
+        for seq in self._running:
+            if not seq.finished:
+                seq.finished = True
+                self._by_id.pop(seq.req.request_id, None)
+                seq.deliver(err)
+        self._running = []
+        self._batch = None
+
+    def _fail_all(self, err: BaseException) -> None:
+        self._fail_running(err)
+        with self._cv:
+            pending = list(self._waiting) + list(self._inbox)
+            self._waiting.clear()
+            self._inbox.clear()
+        for seq in pending:
+            seq.finished = True
+            seq.deliver(err)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,55 @@
+"""Backends by name. An unknown name raises and lists the valid ones: no fallback."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Engine
+
+# name -> "module:Class"; imported lazily so that importing the registry does
+# not import torch (the ingress never needs it).
+_BUILTIN: dict[str, str] = {
+    "hf": "serve_app.engines.hf:HFEngine",
+    "null": "serve_app.engines.null:NullEngine",
+    "trtllm": "serve_app.engines.trtllm:TRTLLMEngine",
+}
+_REGISTERED: dict[str, type[Engine]] = {}
+
+
+class UnknownEngineError(ValueError):
+    pass
+
+
+def register_engine(name: str, cls: type[Engine]) -> None:
+    _REGISTERED[name] = cls
+
+
+def engine_names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_REGISTERED))
+
+
+def get_engine_class(name: str) -> type[Engine]:
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name not in _BUILTIN:
+        raise UnknownEngineError(
+            f"unknown engine backend {name!r}; valid backends: {', '.join(engine_names())}"
+        )
+    module_name, cls_name = _BUILTIN[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    _REGISTERED[name] = cls
+    return cls
+
+
+def options_model_for(name: str):
+    """The options schema of a backend, without importing the backend itself."""
+    from .options import OPTIONS_BY_BACKEND
+
+    if name in OPTIONS_BY_BACKEND:
+        return OPTIONS_BY_BACKEND[name]
+    return get_engine_class(name).options_model
+
+
+def create_engine(name: str, options: dict | None = None) -> Engine:
+    cls = get_engine_class(name)
+    return cls(options_model_for(name).model_validate(options or {}))

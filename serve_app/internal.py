@@ -1,0 +1,76 @@
+"""Messages between the ingress and LLMServer replicas (pickled by Ray).
+
+Front ends (HTTP, gRPC) normalise client requests into :class:`InferenceRequest`;
+replicas answer with :class:`Delta` items (streaming) or one :class:`Completion`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InferenceRequest:
+    request_id: str
+    model: str
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    # readable token texts and alternatives, only when the client asked for logprobs
+    tokens: list[str] | None
+    top_logprobs: list[list[tuple[str, float]]] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    tokens: list[str] | None
+    top_logprobs: list[list[tuple[str, float]]] | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    variant: str = ""
+
+    @property
+    def confidence(self) -> float | None:
+        """exp(mean sampled-token logprob): the model's own certainty, 0..1."""
+        if not self.logprobs:
+            return None
+        return math.exp(sum(self.logprobs) / len(self.logprobs))
+
+    @classmethod
+    def from_deltas(cls, deltas: list[Delta], variant: str = "") -> "Completion":
+        want = deltas[0].tokens is not None if deltas else False
+        out = cls(
+            text="".join(d.text for d in deltas),
+            token_ids=[t for d in deltas for t in d.token_ids],
+            logprobs=[x for d in deltas for x in d.logprobs],
+            tokens=[t for d in deltas for t in (d.tokens or [])] if want else None,
+            top_logprobs=[t for d in deltas for t in (d.top_logprobs or [])] if want else None,
+            finish_reason=deltas[-1].finish_reason or "stop",
+            prompt_tokens=deltas[-1].prompt_tokens,
+            completion_tokens=deltas[-1].completion_tokens,
+            variant=variant,
+        )
+        return out

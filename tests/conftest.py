@@ -1,0 +1,101 @@
+"""Shared fixtures: one local Ray + Serve for the whole session, apps per module.
+
+Ray Serve's HTTP proxy port is fixed once Serve starts, so every app in the
+session shares it and is mounted under its own route prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir():
+    """The dequantised SmolLM2 directory (built from the packaged GGUF on first use)."""
+    from serve_app.engines.model_store import resolve_model_dir
+    from serve_app.engines.options import EMBEDDED_SMOLLM2
+
+    return resolve_model_dir(EMBEDDED_SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def serve_session():
+    """A real local Ray cluster with Serve's HTTP proxy on a free loopback port."""
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    http_port = _free_port()
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port))
+    yield {"http_port": http_port, "base": f"http://127.0.0.1:{http_port}"}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy_app(config_dict: dict, name: str, route_prefix: str):
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import parse_config
+
+    cfg = parse_config(config_dict)
+    serve.run(build_app(cfg), name=name, route_prefix=route_prefix)
+    return cfg
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s (last value {last!r})")
+
+
+def null_config(model="null-model", **engine_options) -> dict:
+    opts = {"num_tokens": 8, "tokens_per_s": 0}
+    opts.update(engine_options)
+    return {
+        "models": [
+            {
+                "name": model,
+                "variants": [{"name": "stable", "weight": 100, "engine": {"backend": "null", "options": opts}}],
+            }
+        ]
+    }
+
+
+def smol_config(model="smollm2", **engine_options) -> dict:
+    opts = {"model": "embedded:smollm2-135m-instruct", "device": "cpu", "max_num_seqs": 32}
+    opts.update(engine_options)
+    return {
+        "models": [
+            {
+                "name": model,
+                "variants": [{"name": "stable", "weight": 100, "engine": {"backend": "hf", "options": opts}}],
+            }
+        ]
+    }

@@ -1,0 +1,139 @@
+"""The transformers engine on the real SmolLM2, without Ray."""
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from serve_app.engines.base import GenerationRequest, SamplingParams
+from serve_app.engines.registry import create_engine
+from serve_app.errors import ContextLengthExceededError, OverloadedError
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(embedded_model_dir):
+    eng = create_engine(
+        "hf",
+        {"device": "cpu", "max_num_seqs": 16, "max_waiting_requests": 4, "max_model_len": 2048},
+    )
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def run(engine, rid, ids, **sampling):
+    sampling.setdefault("max_tokens", 16)
+    chunks = []
+    async for c in engine.generate(GenerationRequest(rid, ids, SamplingParams(**sampling))):
+        chunks.append(c)
+    return chunks
+
+
+def text_of(chunks):
+    return "".join(c.text for c in chunks)
+
+
+def ids_of(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def test_greedy_answer_is_real(engine):
+    ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    chunks = await run(engine, "paris", ids, temperature=0, max_tokens=20)
+    assert "Paris" in text_of(chunks)
+    assert chunks[-1].finish_reason == "stop"
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].num_generated_tokens == len(ids_of(chunks))
+
+
+async def test_batched_greedy_equals_sequential_and_shares_forward_passes(engine):
+    prompts = [
+        engine.encode_chat([{"role": "user", "content": f"Write the numbers from {i} to {i + 4}."}])
+        for i in range(8)
+    ]
+    alone = [ids_of(await run(engine, f"alone{i}", p, temperature=0, max_tokens=12)) for i, p in enumerate(prompts)]
+    before = engine.stats().forward_passes
+    together = await asyncio.gather(
+        *[run(engine, f"together{i}", p, temperature=0, max_tokens=12) for i, p in enumerate(prompts)]
+    )
+    passes = engine.stats().forward_passes - before
+    assert [ids_of(c) for c in together] == alone
+    generated = sum(len(ids_of(c)) for c in together)
+    # sequential decoding needs one pass per generated token
+    assert passes < generated / 2, (passes, generated)
+
+
+async def test_seed_reproduces_sampling_and_logprobs_are_consistent(engine):
+    ids = engine.encode_chat([{"role": "user", "content": "Tell me a short story about a cat."}])
+    a = await run(engine, "s1", ids, temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, top_logprobs=3)
+    b = await run(engine, "s2", ids, temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, top_logprobs=3)
+    assert ids_of(a) == ids_of(b)
+    lps = [x for c in a for x in c.logprobs]
+    tops = [t for c in a for t in c.top_logprobs]
+    assert len(lps) == len(ids_of(a)) == len(tops)
+    for tok, lp, top in zip(ids_of(a), lps, tops):
+        assert lp <= 0.0
+        assert len(top) == 3
+        # the best alternative is at least as likely as the sampled token
+        assert max(top.values()) >= lp - 1e-5
+        if tok in top:
+            assert abs(top[tok] - lp) < 1e-4
+
+
+async def test_stop_string_cuts_output(engine):
+    ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    full = text_of(await run(engine, "nostop", ids, temperature=0, max_tokens=20))
+    assert "Paris" in full
+    cut = await run(engine, "stop", ids, temperature=0, max_tokens=20, stop=["Paris"])
+    assert text_of(cut) == full[: full.index("Paris")]
+    assert cut[-1].finish_reason == "stop"
+
+
+async def test_length_limit_and_context_check(engine):
+    ids = engine.encode_text("Once upon a time")
+    chunks = await run(engine, "len", ids, temperature=0, max_tokens=5, ignore_eos=True)
+    assert chunks[-1].finish_reason == "length"
+    assert len(ids_of(chunks)) == 5
+    with pytest.raises(ContextLengthExceededError, match="maximum context length is 2048"):
+        await run(engine, "long", ids, max_tokens=2048)
+
+
+async def test_abort_frees_the_slot(engine):
+    ids = engine.encode_text("Count slowly:")
+    gen = engine.generate(GenerationRequest("abortme", ids, SamplingParams(max_tokens=500, ignore_eos=True)))
+    await gen.__anext__()
+    assert engine.stats().num_running == 1
+    aborted_before = engine.stats().aborted_requests
+    await gen.aclose()
+    for _ in range(100):
+        if engine.stats().num_running == 0:
+            break
+        await asyncio.sleep(0.05)
+    s = engine.stats()
+    assert s.num_running == 0
+    assert s.aborted_requests == aborted_before + 1
+
+
+async def test_waiting_queue_bound_rejects(engine):
+    ids = engine.encode_text("Hello")
+    # fill the batch (16) and the waiting queue (4), then one more must be rejected
+    gens = [
+        engine.generate(GenerationRequest(f"fill{i}", ids, SamplingParams(max_tokens=200, ignore_eos=True)))
+        for i in range(20)
+    ]
+    tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+    await asyncio.sleep(0)  # let every request reach the engine's queue
+    with pytest.raises(OverloadedError):
+        await run(engine, "overflow", ids, max_tokens=4)
+    for g, t in zip(gens, tasks):
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        await g.aclose()
+    for _ in range(200):
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.stats().num_waiting == 0
