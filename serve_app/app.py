@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from ray import serve
-from ray.serve.config import HTTPOptions
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions
+
+from autoscale.ray_policy import QueueGpuAutoscalingPolicy
 
 from serve_app.config import AppConfig, VariantConfig
 from serve_app.deployments.ingress import Ingress
@@ -16,11 +18,33 @@ def llm_deployment_name(model: str, variant: str) -> str:
     return f"LLMServer-{model}-{variant}"
 
 
+def autoscaling_config(v: VariantConfig) -> AutoscalingConfig | None:
+    a = v.autoscaling
+    if a is None:
+        return None
+    return AutoscalingConfig(
+        min_replicas=a.min_replicas,
+        max_replicas=a.max_replicas,
+        initial_replicas=a.initial_replicas,
+        metrics_interval_s=a.metrics_interval_s,
+        look_back_period_s=a.look_back_period_s,
+        # delays and cooldown live in our policy; Serve must not add its own
+        upscale_delay_s=0,
+        downscale_delay_s=0,
+        policy=AutoscalingPolicy(
+            policy_function=QueueGpuAutoscalingPolicy, policy_kwargs=a.policy.model_dump()
+        ),
+    )
+
+
 def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
     max_ongoing = v.effective_max_ongoing_requests()
+    scaling = autoscaling_config(v)
+    replicas = {"autoscaling_config": scaling} if scaling else {"num_replicas": v.num_replicas}
+    a = v.autoscaling
     return serve.deployment(LLMServer).options(
         name=llm_deployment_name(model, v.name),
-        num_replicas=v.num_replicas,
+        **replicas,
         max_ongoing_requests=max_ongoing,
         # bound the callers' queues too: past this Serve raises BackPressureError -> 429
         max_queued_requests=max_ongoing,
@@ -28,7 +52,15 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
         health_check_period_s=10,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=60,
-    ).bind(model, v.name, v.engine.backend, v.engine.options, max_tokens_default)
+    ).bind(
+        model,
+        v.name,
+        v.engine.backend,
+        v.engine.options,
+        max_tokens_default,
+        gpu_source=a.gpu_source if a else "nvml",
+        gpu_sample_interval_s=a.gpu_sample_interval_s if a else 1.0,
+    )
 
 
 def build_app(config: AppConfig):

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from autoscale.policy import PolicyConfig
 from serve_app._model import StrictModel
 from serve_app.engines.registry import UnknownEngineError, options_model_for
 
@@ -52,6 +53,40 @@ class ReplicaResources(StrictModel):
     )
 
 
+_GPU_SOURCE = re.compile(r"^(nvml|none|fake:\d+(\.\d+)?:\d+(\.\d+)?)$")
+
+
+class AutoscalingSpec(StrictModel):
+    min_replicas: int = Field(1, ge=1, le=1024, description="Fewest replicas.")
+    max_replicas: int = Field(4, ge=1, le=1024, description="Most replicas.")
+    initial_replicas: int | None = Field(None, ge=1, description="Replicas at deploy time; default min.")
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often replicas report their signals.")
+    look_back_period_s: float = Field(10.0, gt=0, description="Window Serve averages the signals over.")
+    gpu_source: str = Field(
+        "nvml",
+        description="Where GPU utilisation comes from: 'nvml', 'none' (queue only), or "
+        "'fake:<busy_pct>:<idle_pct>' (a fake for CPU-only tests).",
+    )
+    gpu_sample_interval_s: float = Field(1.0, gt=0, description="NVML sampling interval (EMA smoothed).")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Decision thresholds and delays.")
+
+    @field_validator("gpu_source")
+    @classmethod
+    def _gpu_source(cls, v: str) -> str:
+        if not _GPU_SOURCE.match(v):
+            raise ValueError(f"{v!r} is not one of nvml, none, fake:<busy_pct>:<idle_pct>")
+        return v
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSpec":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        init = self.initial_replicas
+        if init is not None and not self.min_replicas <= init <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({init}) is outside [{self.min_replicas}, {self.max_replicas}]")
+        return self
+
+
 class VariantConfig(StrictModel):
     name: str = Field(description="Variant name, unique within its model (e.g. stable, canary).")
     weight: int = Field(100, ge=0, le=100, description="Share of the model's traffic, percent.")
@@ -66,6 +101,9 @@ class VariantConfig(StrictModel):
     )
     resources: ReplicaResources = Field(
         default_factory=ReplicaResources, description="Resources each replica reserves."
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        None, description="Autoscale on queue depth and GPU utilisation; num_replicas is then ignored."
     )
 
     @field_validator("name")

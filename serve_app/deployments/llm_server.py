@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator
 
+from autoscale.gpu import GpuUtilSmoother, make_gpu_source
+from autoscale.ray_policy import GPU_METRIC, QUEUE_METRIC
 from serve_app.engines.base import GenerationRequest, SamplingParams
 from serve_app.engines.registry import create_engine
 from serve_app.errors import InvalidRequestError
@@ -27,12 +29,19 @@ class LLMServer:
         backend: str,
         engine_options: dict,
         max_tokens_default: int = 256,
+        gpu_source: str = "nvml",
+        gpu_sample_interval_s: float = 1.0,
     ):
         self.model_name = model_name
         self.variant = variant
         self.max_tokens_default = max_tokens_default
         self.engine = create_engine(backend, engine_options)
         await self.engine.start()
+        self.gpu = GpuUtilSmoother(
+            make_gpu_source(gpu_source, lambda: self.engine.stats().num_running > 0),
+            interval_s=gpu_sample_interval_s,
+        )
+        self.gpu.start()
         log.info("LLMServer %s/%s ready (backend %s)", model_name, variant, backend)
 
     def _to_generation_request(self, req: InferenceRequest) -> GenerationRequest:
@@ -96,6 +105,12 @@ class LLMServer:
         s = self.engine.stats().as_dict()
         s["max_model_len"] = self.engine.max_model_len
         s["load_time_s"] = getattr(self.engine, "load_time_s", None)
+        s["gpu_util_pct"] = self.gpu.util_pct
+        s["gpu_source"] = self.gpu.source.name
+        s["gpu_unavailable_reason"] = self.gpu.source.unavailable_reason
+        last = self.gpu.last
+        s["gpu_memory_used_bytes"] = last.memory_used_bytes if last else None
+        s["gpu_memory_total_bytes"] = last.memory_total_bytes if last else None
         return s
 
     async def check_health(self) -> None:
@@ -103,9 +118,13 @@ class LLMServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self.engine.stats()
-        return {"queue_depth": float(s.num_waiting), "running": float(s.num_running)}
+        out = {QUEUE_METRIC: float(s.num_waiting)}
+        if self.gpu.util_pct is not None:  # a missing signal is left out, not reported as 0
+            out[GPU_METRIC] = float(self.gpu.util_pct)
+        return out
 
     async def __del__(self):
+        self.gpu.stop()
         try:
             await self.engine.shutdown()
         except Exception:  # shutting down anyway

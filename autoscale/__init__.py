@@ -1,0 +1,1 @@
+"""Autoscaling on queue depth AND GPU utilisation: a pure policy plus thin Ray glue."""

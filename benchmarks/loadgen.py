@@ -1,0 +1,127 @@
+"""A bounded closed-loop load generator on loopback (count- and time-limited)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    requests: int = 0
+    errors: int = 0
+    status: dict = field(default_factory=dict)
+    latencies_s: list = field(default_factory=list)
+    ttft_s: list = field(default_factory=list)
+    output_tokens: int = 0
+    wall_s: float = 0.0
+
+    def pct(self, xs, p):
+        if not xs:
+            return float("nan")
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+    def summary(self) -> dict:
+        return {
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "errors": self.errors,
+            "status": self.status,
+            "rps": self.requests / self.wall_s if self.wall_s else 0.0,
+            "p50_ms": 1000 * self.pct(self.latencies_s, 50),
+            "p99_ms": 1000 * self.pct(self.latencies_s, 99),
+            "mean_ms": 1000 * statistics.fmean(self.latencies_s) if self.latencies_s else float("nan"),
+            "ttft_p50_ms": 1000 * self.pct(self.ttft_s, 50),
+            "ttft_p95_ms": 1000 * self.pct(self.ttft_s, 95),
+            "output_tok_s": self.output_tokens / self.wall_s if self.wall_s else 0.0,
+            "wall_s": self.wall_s,
+        }
+
+
+async def run_load(
+    url: str,
+    body: dict,
+    concurrency: int,
+    max_requests: int,
+    max_duration_s: float,
+    stream: bool = False,
+    warmup_requests: int = 0,
+) -> LoadResult:
+    """Each of `concurrency` workers sends requests back to back until either bound is hit."""
+    res = LoadResult(concurrency=concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for _ in range(warmup_requests):
+            await client.post(url, json=body)
+        issued = 0
+        deadline = time.monotonic() + max_duration_s
+
+        async def one():
+            t0 = time.perf_counter()
+            if not stream:
+                r = await client.post(url, json=body)
+                dt = time.perf_counter() - t0
+                res.status[r.status_code] = res.status.get(r.status_code, 0) + 1
+                if r.status_code == 200:
+                    res.latencies_s.append(dt)
+                    res.ttft_s.append(dt)
+                    res.output_tokens += r.json().get("usage", {}).get("completion_tokens", 0)
+                else:
+                    res.errors += 1
+                return
+            first = None
+            tokens = 0
+            async with client.stream("POST", url, json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as r:
+                res.status[r.status_code] = res.status.get(r.status_code, 0) + 1
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    obj = json.loads(line[6:])
+                    if obj.get("usage"):
+                        tokens = obj["usage"]["completion_tokens"]
+                    if "error" in obj:
+                        res.errors += 1
+            if r.status_code != 200:
+                res.errors += 1
+                return
+            res.latencies_s.append(time.perf_counter() - t0)
+            res.ttft_s.append(first if first is not None else float("nan"))
+            res.output_tokens += tokens
+
+        async def worker():
+            nonlocal issued
+            while issued < max_requests and time.monotonic() < deadline:
+                issued += 1
+                try:
+                    await one()
+                    res.requests += 1
+                except Exception:
+                    res.errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    print("  ".join(c.rjust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in cols))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    return str(v)
