@@ -18,6 +18,13 @@ high       low        hold and alert: the queue grows while GPUs idle, so the
 low        high       hold
 =========  =========  ==========================================================
 
+NVML's utilisation is a duty cycle: it reads near 100% as soon as one sequence
+decodes (dcgm-exporter#301), so "GPU low" would almost never hold while any
+traffic flows and replicas added for a peak would never be released. The GPU
+therefore also counts as low when the batch occupancy (running sequences over
+the engine's batch size, reported by each replica) is so low that the remaining
+replicas would hold today's load at most ``downscale_max_occupancy`` full.
+
 "High" and "low" use separate thresholds (hysteresis): between the low and
 high threshold of a signal nothing changes and the timers reset. A missing or
 stale GPU signal is a result, not a crash: the policy decides on the queue
@@ -45,6 +52,13 @@ class PolicyConfig(StrictModel):
     downscale_delay_s: float = Field(300.0, ge=0, description="Low must hold this long before scaling down.")
     cooldown_s: float = Field(60.0, ge=0, description="No new scale step this long after the last one.")
     max_step: int = Field(2, ge=1, le=100, description="Most replicas added in one step.")
+    downscale_max_occupancy: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Scale down (queue low) also when, without one replica, the rest would be at most "
+        "this full; NVML utilisation alone stays high under any load.",
+    )
     metric_max_age_s: float = Field(
         60.0, gt=0, description="A signal older than this is stale and treated as missing."
     )
@@ -72,6 +86,8 @@ class PolicyContext:
     # age of the newest sample of each signal (None = unknown, taken as fresh)
     queue_age_s: float | None = None
     gpu_age_s: float | None = None
+    # per replica running sequences / batch size, 0..1 (None = not reported)
+    occupancy: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,8 +155,12 @@ def decide(cfg: PolicyConfig, ctx: PolicyContext, state: PolicyState) -> Decisio
 
     queue_high, queue_low = q >= cfg.queue_high, q <= cfg.queue_low
     gpu_high = g is None or g >= cfg.gpu_high_pct
-    gpu_low = g is None or g <= cfg.gpu_low_pct
+    occ = _mean(ctx.occupancy)
+    consolidates = occ is not None and cur > 1 and occ * cur / (cur - 1) <= cfg.downscale_max_occupancy
+    gpu_low = g is None or g <= cfg.gpu_low_pct or consolidates
     sig = f"queue {q:.1f}/replica, GPU " + ("n/a" if g is None else f"{g:.0f}%")
+    if occ is not None:
+        sig += f", batch {100 * occ:.0f}% full"
     in_cooldown = state.last_scale_s is not None and now - state.last_scale_s < cfg.cooldown_s
 
     if queue_high and not gpu_high and g is not None:

@@ -23,6 +23,7 @@ log = logging.getLogger("ray.serve")
 
 QUEUE_METRIC = "queue_depth"
 GPU_METRIC = "gpu_util_pct"
+OCCUPANCY_METRIC = "batch_occupancy"
 KV_NAMESPACE = "seekserve"
 
 
@@ -45,6 +46,7 @@ def context_from_ray(ctx, now: float) -> PolicyContext:
     raw = ctx.raw_metrics or {}
     queue = agg.get(QUEUE_METRIC)
     gpu = agg.get(GPU_METRIC)
+    occupancy = agg.get(OCCUPANCY_METRIC)
     queue_values = None
     if queue:
         # requests still queued in callers' handles count too: the engine never saw them
@@ -60,6 +62,7 @@ def context_from_ray(ctx, now: float) -> PolicyContext:
         gpu_util_pct=tuple(float(v) for v in gpu.values()) if gpu else None,
         queue_age_s=_newest_age(raw.get(QUEUE_METRIC), now),
         gpu_age_s=_newest_age(raw.get(GPU_METRIC), now),
+        occupancy=tuple(float(v) for v in occupancy.values()) if occupancy else None,
     )
 
 

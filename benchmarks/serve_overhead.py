@@ -67,6 +67,36 @@ async def engine_direct(concurrency: int, n_tokens: int, max_requests: int, dura
     }
 
 
+async def handle_direct(concurrency: int, args) -> dict:
+    """One Ray Serve hop (driver -> LLMServer handle), no HTTP: attributes the stack's cost."""
+    from ray import serve
+
+    from serve_app.app import llm_deployment_name
+    from serve_app.internal import InferenceRequest
+
+    h = serve.get_deployment_handle(llm_deployment_name("null", "stable"), "bench")
+    lat, issued = [], 0
+    deadline = time.monotonic() + min(args.duration_s, 8)
+
+    async def worker():
+        nonlocal issued
+        while issued < args.max_requests and time.monotonic() < deadline:
+            issued += 1
+            t0 = time.perf_counter()
+            await h.generate_full.remote(InferenceRequest(
+                request_id=f"h{issued}", model="null", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=args.tokens))
+            lat.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return {"path": "serve handle (1 hop)", "concurrency": concurrency, "requests": len(lat), "errors": 0,
+            "rps": len(lat) / wall, "p50_ms": 1000 * lat[len(lat) // 2],
+            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1)))]}
+
+
 def full_stack(args) -> list[dict]:
     import ray
     from ray import serve
@@ -97,10 +127,11 @@ def full_stack(args) -> list[dict]:
         }
     )
     serve.run(build_app(cfg), name="bench", route_prefix="/")
+    rows += [asyncio.run(handle_direct(c, args)) for c in (1, 32)]
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": args.tokens}
     rows = []
-    for stream in (False, True):
+    for stream in (False,) if args.skip_stream else (False, True):
         for c in (1, 32):
             r = asyncio.run(
                 run_load(url, body, c, max_requests=args.max_requests, max_duration_s=args.duration_s,
@@ -163,9 +194,14 @@ def main() -> None:
     p.add_argument("--max-requests", type=int, default=20000)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--cold-start", action="store_true")
+    p.add_argument("--throughput-optimized", action="store_true",
+                   help="set RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's direct ingress + gRPC transport)")
+    p.add_argument("--skip-stream", action="store_true")
     p.add_argument("--out", default=str(ROOT / "results" / "serve_overhead.json"))
     args = p.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.throughput_optimized:
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
 
     rows = []
     for c in (1, 32):

@@ -40,6 +40,24 @@ class Delta:
     completion_tokens: int
 
 
+def merge_deltas(ds: list[Delta]) -> Delta:
+    """One delta carrying several consecutive ones (fewer messages under load)."""
+    if len(ds) == 1:
+        return ds[0]
+    want = ds[0].tokens is not None
+    has_top = ds[0].top_logprobs is not None
+    return Delta(
+        text="".join(d.text for d in ds),
+        token_ids=[t for d in ds for t in d.token_ids],
+        logprobs=[x for d in ds for x in d.logprobs],
+        tokens=[t for d in ds for t in (d.tokens or [])] if want else None,
+        top_logprobs=[t for d in ds for t in (d.top_logprobs or [])] if has_top else None,
+        finish_reason=ds[-1].finish_reason,
+        prompt_tokens=ds[-1].prompt_tokens,
+        completion_tokens=ds[-1].completion_tokens,
+    )
+
+
 @dataclass
 class Completion:
     text: str
@@ -61,16 +79,15 @@ class Completion:
 
     @classmethod
     def from_deltas(cls, deltas: list[Delta], variant: str = "") -> "Completion":
-        want = deltas[0].tokens is not None if deltas else False
-        out = cls(
-            text="".join(d.text for d in deltas),
-            token_ids=[t for d in deltas for t in d.token_ids],
-            logprobs=[x for d in deltas for x in d.logprobs],
-            tokens=[t for d in deltas for t in (d.tokens or [])] if want else None,
-            top_logprobs=[t for d in deltas for t in (d.top_logprobs or [])] if want else None,
-            finish_reason=deltas[-1].finish_reason or "stop",
-            prompt_tokens=deltas[-1].prompt_tokens,
-            completion_tokens=deltas[-1].completion_tokens,
+        d = merge_deltas(deltas)
+        return cls(
+            text=d.text,
+            token_ids=d.token_ids,
+            logprobs=d.logprobs,
+            tokens=d.tokens,
+            top_logprobs=d.top_logprobs,
+            finish_reason=d.finish_reason or "stop",
+            prompt_tokens=d.prompt_tokens,
+            completion_tokens=d.completion_tokens,
             variant=variant,
         )
-        return out

@@ -3,10 +3,10 @@
 
 
 import asyncio
+import json
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from ray import serve
 
 from rollout.router import Router, TrafficSplit
@@ -19,24 +19,33 @@ from serve_app.frontend.openai_protocol import ChatCompletionRequest, Completion
 app = make_app()
 
 
-@app.middleware("http")
-async def _limit_body(request: Request, call_next):
-    # Reject oversized bodies before FastAPI reads them into memory.
-    limit = request.app.state.max_body_bytes if hasattr(request.app.state, "max_body_bytes") else None
-    length = request.headers.get("content-length")
-    if limit and length and length.isdigit() and int(length) > limit:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f"request body is {length} bytes; the limit is {limit}",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "request_too_large",
-                }
-            },
-            status_code=413,
-        )
-    return await call_next(request)
+class BodyLimit:
+    """Pure ASGI middleware (Starlette's BaseHTTPMiddleware costs a task per
+    request): refuses a declared body over the limit before it is read."""
+
+    # set by the Ingress from its config; one ingress app per replica process
+    limit_bytes: int = 1 << 20
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for key, value in scope.get("headers", ()):
+                if key == b"content-length" and value.isdigit() and int(value) > self.limit_bytes:
+                    body = json.dumps({"error": {
+                        "message": f"request body is {int(value)} bytes; the limit is {self.limit_bytes}",
+                        "type": "invalid_request_error", "param": None, "code": "request_too_large",
+                    }}).encode()
+                    await send({"type": "http.response.start", "status": 413,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+        await self.app(scope, receive, send)
+
+
+app.add_middleware(BodyLimit)
 
 
 @serve.ingress(app)
@@ -51,7 +60,7 @@ class Ingress:
         )
         self.core = InferenceCore(self.config, handles, router)
         self.started = int(time.time())
-        app.state.max_body_bytes = self.config.limits.max_body_bytes
+        BodyLimit.limit_bytes = self.config.limits.max_body_bytes
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):

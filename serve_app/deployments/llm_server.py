@@ -12,11 +12,12 @@ import logging
 from typing import AsyncIterator
 
 from autoscale.gpu import GpuUtilSmoother, make_gpu_source
-from autoscale.ray_policy import GPU_METRIC, QUEUE_METRIC
+from autoscale.ray_policy import GPU_METRIC, OCCUPANCY_METRIC, QUEUE_METRIC
 from serve_app.engines.base import GenerationRequest, SamplingParams
 from serve_app.engines.registry import create_engine
 from serve_app.errors import InvalidRequestError
-from serve_app.internal import Completion, Delta, InferenceRequest
+from serve_app.deployments.coalesce import coalesced
+from serve_app.internal import Completion, Delta, InferenceRequest, merge_deltas
 
 log = logging.getLogger("seekserve.llm_server")
 
@@ -77,6 +78,10 @@ class LLMServer:
 
     async def generate(self, req: InferenceRequest) -> AsyncIterator[Delta]:
         """Stream deltas; an admission error is raised before the first one."""
+        async for d in coalesced(self._deltas(req), merge_deltas):
+            yield d
+
+    async def _deltas(self, req: InferenceRequest) -> AsyncIterator[Delta]:
         greq = self._to_generation_request(req)
         token_text = self.engine.token_text
         async for c in self.engine.generate(greq):
@@ -98,7 +103,7 @@ class LLMServer:
 
     async def generate_full(self, req: InferenceRequest) -> Completion:
         """The whole answer in one reply: one Ray round trip instead of one per delta."""
-        deltas = [d async for d in self.generate(req)]
+        deltas = [d async for d in self._deltas(req)]
         return Completion.from_deltas(deltas, self.variant)
 
     async def stats(self) -> dict:
@@ -119,6 +124,9 @@ class LLMServer:
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self.engine.stats()
         out = {QUEUE_METRIC: float(s.num_waiting)}
+        batch = getattr(self.engine.options, "max_num_seqs", None)
+        if batch:
+            out[OCCUPANCY_METRIC] = s.num_running / batch
         if self.gpu.util_pct is not None:  # a missing signal is left out, not reported as 0
             out[GPU_METRIC] = float(self.gpu.util_pct)
         return out
