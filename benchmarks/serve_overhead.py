@@ -127,10 +127,9 @@ def full_stack(args) -> list[dict]:
         }
     )
     serve.run(build_app(cfg), name="bench", route_prefix="/")
-    rows += [asyncio.run(handle_direct(c, args)) for c in (1, 32)]
+    rows = [asyncio.run(handle_direct(c, args)) for c in (1, 32)]
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": args.tokens}
-    rows = []
     for stream in (False,) if args.skip_stream else (False, True):
         for c in (1, 32):
             r = asyncio.run(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions, gRPCOptions
 
 from autoscale.ray_policy import QueueGpuAutoscalingPolicy
 
@@ -81,7 +81,22 @@ def http_options(config: AppConfig) -> HTTPOptions:
     return HTTPOptions(host=config.server.host, port=config.server.http_port)
 
 
+GRPC_SERVICERS = [
+    "serve_app.protos.seekserve_pb2_grpc.add_InferenceServicer_to_server",
+    # standard health checking; Ray's proxy routes Health/Check to Ingress.Check
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def grpc_options(config: AppConfig) -> gRPCOptions:
+    return gRPCOptions(
+        port=config.server.grpc_port,
+        grpc_servicer_functions=GRPC_SERVICERS,
+        request_timeout_s=config.timeouts.request_timeout_s + 5,
+    )
+
+
 def deploy(config: AppConfig, blocking: bool = False):
     """Start Serve on the connected Ray cluster and deploy the app."""
-    serve.start(http_options=http_options(config))
+    serve.start(http_options=http_options(config), grpc_options=grpc_options(config))
     return serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=blocking)

@@ -61,6 +61,31 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    import ray
+
+    from serve_app import status
+
+    ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+    stats = None
+    if args.url:
+        import httpx
+
+        try:
+            raw = httpx.get(args.url.rstrip("/") + "/admin/engine-stats", timeout=10).json()
+            from serve_app.app import llm_deployment_name
+
+            stats = {llm_deployment_name(*k.split("/", 1)): v for k, v in raw.items()}
+        except Exception as e:  # status must still show what Serve knows
+            print(f"(engine stats unavailable: {e})", file=sys.stderr)
+    rows = status.collect(args.app, stats)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=2, default=str))
+    else:
+        print(status.render(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seekserve", description="Ray Serve LLM serving cluster.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -71,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--detach", action="store_true", help="return once deployed (cluster keeps serving)")
     s.add_argument("--quiet", action="store_true", help="do not stream worker logs to the console")
     s.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", help="replicas, queue, GPU and autoscaler decisions per variant")
+    st.add_argument("--address", default="auto", help="Ray address (default: the running cluster)")
+    st.add_argument("--app", default=None, help="only this Serve application")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="ingress URL for engine stats ('' to skip)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config_command", required=True)

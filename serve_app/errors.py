@@ -13,6 +13,8 @@ from typing import Any
 
 class SeekserveError(Exception):
     status_code: int = 500
+    # grpc.StatusCode member name for the gRPC front end
+    grpc_status: str = "INTERNAL"
     error_type: str = "internal_error"
     default_code: str | None = None
 
@@ -48,6 +50,7 @@ def _rebuild(cls, message, extra):
 
 class InvalidRequestError(SeekserveError):
     status_code = 400
+    grpc_status = "INVALID_ARGUMENT"
     error_type = "invalid_request_error"
 
 
@@ -57,18 +60,21 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class UnauthorizedError(SeekserveError):
     status_code = 401
+    grpc_status = "UNAUTHENTICATED"
     error_type = "authentication_error"
     default_code = "invalid_api_key"
 
 
 class ForbiddenError(SeekserveError):
     status_code = 403
+    grpc_status = "PERMISSION_DENIED"
     error_type = "permission_error"
     default_code = "forbidden"
 
 
 class ModelNotFoundError(SeekserveError):
     status_code = 404
+    grpc_status = "NOT_FOUND"
     error_type = "invalid_request_error"
     default_code = "model_not_found"
 
@@ -77,6 +83,7 @@ class OverloadedError(SeekserveError):
     """The bounded queue is full; the client should retry after ``retry_after_s``."""
 
     status_code = 429
+    grpc_status = "RESOURCE_EXHAUSTED"
     error_type = "rate_limit_error"
     default_code = "queue_full"
 
@@ -94,12 +101,14 @@ class OverloadedError(SeekserveError):
 
 class EngineNotReadyError(SeekserveError):
     status_code = 503
+    grpc_status = "UNAVAILABLE"
     error_type = "service_unavailable"
     default_code = "not_ready"
 
 
 class RequestTimeoutError(SeekserveError):
     status_code = 504
+    grpc_status = "DEADLINE_EXCEEDED"
     error_type = "timeout_error"
     default_code = "timeout"
 

@@ -45,12 +45,38 @@ def serve_session():
     from ray import serve
     from ray.serve.config import HTTPOptions
 
+    from ray.serve.config import gRPCOptions
+
+    from serve_app.app import GRPC_SERVICERS
+
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    http_port = _free_port()
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port))
-    yield {"http_port": http_port, "base": f"http://127.0.0.1:{http_port}"}
+    http_port, grpc_port = _free_port(), _free_port()
+    serve.start(
+        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+    )
+    yield {"http_port": http_port, "grpc_port": grpc_port, "base": f"http://127.0.0.1:{http_port}"}
     serve.shutdown()
     ray.shutdown()
+
+
+SMOL = "smollm2"
+
+
+@pytest.fixture(scope="session")
+def smol_app(serve_session):
+    """SmolLM2 on the hf engine, app 'smol' under /smol (shared by HTTP and gRPC tests)."""
+    deploy_app(smol_config(SMOL, max_num_seqs=16), name="smol", route_prefix="/smol")
+    return {"app": "smol", "base": serve_session["base"] + "/smol", "model": SMOL}
+
+
+@pytest.fixture(scope="session")
+def slow_null_app(serve_session):
+    """A slow, tiny null engine: one running, one waiting, 2 s request timeout, app 'slownull'."""
+    cfg = null_config("slow", num_tokens=40, tokens_per_s=10, max_num_seqs=1, max_waiting_requests=1)
+    cfg["timeouts"] = {"request_timeout_s": 2.0, "retry_after_s": 3}
+    deploy_app(cfg, name="slownull", route_prefix="/slow")
+    return {"app": "slownull", "base": serve_session["base"] + "/slow", "model": "slow"}
 
 
 def deploy_app(config_dict: dict, name: str, route_prefix: str):

@@ -5,6 +5,8 @@ GPU utilisation comes from FakeGpuUtilSource (``fake:<busy>:<idle>``): this
 machine has no NVML. It reports <busy> while the engine runs requests."""
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -79,6 +81,12 @@ def test_scales_up_under_load_and_back_down(serve_session):
         wait_for(lambda: running_replicas("scale-busy", "busy") >= 2, timeout_s=45)
         decision = read_decision("scale-busy", llm_deployment_name("busy", "stable"))
     assert decision is not None and decision["desired_replicas"] >= 2
+    shown = subprocess.run(
+        [sys.executable, "-m", "serve_app.cli", "status", "--app", "scale-busy", "--url", ""],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "LLMServer-busy-stable" in shown.stdout and "autoscaler:" in shown.stdout, shown.stdout
     assert set(load.codes) == {200}, set(load.codes)  # scaling dropped nothing
     wait_for(lambda: running_replicas("scale-busy", "busy") == 1, timeout_s=60)
     last = read_decision("scale-busy", llm_deployment_name("busy", "stable"))

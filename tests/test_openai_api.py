@@ -8,16 +8,14 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import deploy_app, null_config, smol_config, wait_for
-
-MODEL = "smollm2"
+from tests.conftest import SMOL as MODEL
+from tests.conftest import wait_for
 QUESTION = "What is the capital of France? Answer in one word."
 
 
 @pytest.fixture(scope="module")
-def smol(serve_session):
-    deploy_app(smol_config(MODEL, max_num_seqs=16), name="smol", route_prefix="/smol")
-    base = serve_session["base"] + "/smol"
+def smol(smol_app):
+    base = smol_app["base"]
     return {
         "base": base,
         "client": openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120),
@@ -25,12 +23,8 @@ def smol(serve_session):
 
 
 @pytest.fixture(scope="module")
-def slow_null(serve_session):
-    """A null engine that is slow and tiny: one running, one waiting, 2 s timeout."""
-    cfg = null_config("slow", num_tokens=40, tokens_per_s=10, max_num_seqs=1, max_waiting_requests=1)
-    cfg["timeouts"] = {"request_timeout_s": 2.0, "retry_after_s": 3}
-    deploy_app(cfg, name="slownull", route_prefix="/slow")
-    return serve_session["base"] + "/slow"
+def slow_null(slow_null_app):
+    return slow_null_app["base"]
 
 
 def engine_stats(base):

@@ -13,6 +13,7 @@ from rollout.router import Router, TrafficSplit
 from serve_app.config import parse_config
 from serve_app.errors import EngineNotReadyError
 from serve_app.frontend.core import InferenceCore
+from serve_app.frontend.grpc_front import GrpcFront
 from serve_app.frontend.http import error_response, make_app, run_request
 from serve_app.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
 
@@ -49,7 +50,7 @@ app.add_middleware(BodyLimit)
 
 
 @serve.ingress(app)
-class Ingress:
+class Ingress(GrpcFront):
     def __init__(self, config: dict, handles: dict):
         self.config = parse_config(config)
         router = Router(
