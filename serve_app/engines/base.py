@@ -55,6 +55,8 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # LoRA adapter name, for backends that serve adapters (trtllm)
+    adapter: str | None = None
 
 
 @dataclass
@@ -87,15 +89,30 @@ class EngineStats:
         return dict(self.__dict__)
 
 
+@dataclass
+class ParallelConfig:
+    """How the replica's engine spans GPUs. ``bundle_indices`` are this replica's
+    placement-group bundles, one per rank; ``env`` (NCCL) goes to every rank."""
+
+    tensor_parallel_size: int = 1
+    bundle_indices: list[int] = field(default_factory=lambda: [0])
+    env: dict[str, str] = field(default_factory=dict)
+
+
 class Engine(abc.ABC):
-    """A model backend. Subclasses register themselves with :func:`register_engine`."""
+    """A model backend, registered by name in :mod:`serve_app.engines.registry`."""
 
     name: ClassVar[str]
     #: pydantic model of this backend's ``engine.options``
     options_model: ClassVar[type[BaseModel]]
+    #: largest tensor_parallel_size the backend can run
+    max_tensor_parallel_size: ClassVar[int] = 1
+    #: the backend places its own rank workers in the replica's placement group
+    places_own_workers: ClassVar[bool] = False
 
-    def __init__(self, options: BaseModel):
+    def __init__(self, options: BaseModel, parallel: ParallelConfig | None = None):
         self.options = options
+        self.parallel = parallel or ParallelConfig()
 
     @abc.abstractmethod
     async def start(self) -> None:

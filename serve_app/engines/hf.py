@@ -117,8 +117,8 @@ class HFEngine(Engine):
     name = "hf"
     options_model = HFEngineOptions
 
-    def __init__(self, options: HFEngineOptions):
-        super().__init__(options)
+    def __init__(self, options: HFEngineOptions, parallel=None):
+        super().__init__(options, parallel)
         self.options: HFEngineOptions = options
         self._cv = threading.Condition()
         self._inbox: collections.deque[_Seq] = collections.deque()

@@ -22,9 +22,12 @@ _TOKEN_ID = 42
 class NullEngine(Engine):
     name = "null"
     options_model = NullEngineOptions
+    # with tensor_parallel_size > 1 the LLMServer places idle rank workers for
+    # it, so placement can be exercised without a model
+    max_tensor_parallel_size = 64
 
-    def __init__(self, options: NullEngineOptions):
-        super().__init__(options)
+    def __init__(self, options: NullEngineOptions, parallel=None):
+        super().__init__(options, parallel)
         self.options: NullEngineOptions = options
         self._ready = False
         self._slots: asyncio.Semaphore | None = None

@@ -81,7 +81,76 @@ class NullEngineOptions(StrictModel):
     max_model_len: int = Field(4096, ge=16, description="Context length it pretends to have.")
 
 
+class LoraAdapters(StrictModel):
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="Adapter name -> local directory (HF or NeMo LoRA format)."
+    )
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest rank of any adapter.")
+    max_loras: int = Field(
+        4, ge=1, le=256, description="Adapters resident in GPU memory at once (least recently used evicted)."
+    )
+    max_cpu_loras: int = Field(16, ge=1, le=4096, description="Adapters cached in host memory.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraAdapters":
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        return self
+
+
+class TRTLLMEngineOptions(StrictModel):
+    """TensorRT-LLM LLM API options. Untested on GPU hardware: see docs/engines.md."""
+
+    model: str = Field(description="Local HF checkpoint or TensorRT-LLM engine directory (no hub names).")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model's.")
+    backend: Literal["pytorch", "tensorrt"] = Field("pytorch", description="TensorRT-LLM backend.")
+    max_batch_size: int = Field(256, ge=1, le=4096, description="Requests in flight in one batch.")
+    max_num_tokens: int = Field(8192, ge=64, description="Tokens per forward pass across the batch.")
+    max_seq_len: int | None = Field(None, ge=16, description="Prompt + generated tokens; default: the model's.")
+    kv_cache_free_gpu_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="Share of free GPU memory (after weights) given to the KV cache."
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = Field(
+        "auto", description="KV-cache precision; fp8 halves KV memory on Hopper."
+    )
+    enable_block_reuse: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    cuda_graph_batch_sizes: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128],
+        description="Batch sizes captured as CUDA graphs for decode.",
+    )
+    cuda_graph_padding: bool = Field(
+        True, description="Pad a batch up to the next captured size instead of running eagerly."
+    )
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across iterations.")
+    lora: LoraAdapters | None = Field(None, description="LoRA adapters, loaded on demand.")
+    max_waiting_requests: int = Field(
+        512, ge=0, description="Requests admitted beyond max_batch_size before 429 (TRT-LLM's queue is unbounded)."
+    )
+    stats_interval_s: float = Field(1.0, gt=0, description="How often iteration stats are polled.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TRTLLMEngineOptions":
+        sizes = self.cuda_graph_batch_sizes
+        if sizes != sorted(set(sizes)) or (sizes and sizes[0] < 1):
+            raise ValueError("cuda_graph_batch_sizes must be distinct positive integers in increasing order")
+        if sizes and sizes[-1] > self.max_batch_size:
+            raise ValueError(
+                f"cuda_graph_batch_sizes goes up to {sizes[-1]}, above max_batch_size {self.max_batch_size}"
+            )
+        if self.max_seq_len is not None and self.max_seq_len > self.max_num_tokens and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} exceeds max_num_tokens {self.max_num_tokens}: a full-length "
+                "prompt needs enable_chunked_prefill"
+            )
+        return self
+
+
 OPTIONS_BY_BACKEND = {
     "hf": HFEngineOptions,
     "null": NullEngineOptions,
+    "trtllm": TRTLLMEngineOptions,
 }
+
+# Largest tensor_parallel_size each built-in backend runs (checked at config time).
+# hf: single-rank in this version; null: idle rank workers hold the bundles.
+MAX_TENSOR_PARALLEL = {"hf": 1, "null": 64, "trtllm": 64}

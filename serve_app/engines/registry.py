@@ -50,6 +50,6 @@ def options_model_for(name: str):
     return get_engine_class(name).options_model
 
 
-def create_engine(name: str, options: dict | None = None) -> Engine:
+def create_engine(name: str, options: dict | None = None, parallel=None) -> Engine:
     cls = get_engine_class(name)
-    return cls(options_model_for(name).model_validate(options or {}))
+    return cls(options_model_for(name).model_validate(options or {}), parallel)

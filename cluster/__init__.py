@@ -1,0 +1,1 @@
+"""Cluster-level configuration: NCCL profiles and replica placement."""
