@@ -6,6 +6,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions, gRPCOptions
 
 from autoscale.ray_policy import QueueGpuAutoscalingPolicy
+from cluster.placement import bundles, check_capacity, cluster_node_gpus
 
 from serve_app.config import AppConfig, VariantConfig
 from serve_app.deployments.ingress import Ingress
@@ -42,13 +43,20 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
     scaling = autoscaling_config(v)
     replicas = {"autoscaling_config": scaling} if scaling else {"num_replicas": v.num_replicas}
     a = v.autoscaling
+    pg = bundles(v)
+    placement = {"placement_group_bundles": pg, "placement_group_strategy": "STRICT_PACK"} if pg else {}
     return serve.deployment(LLMServer).options(
         name=llm_deployment_name(model, v.name),
         **replicas,
+        **placement,
         max_ongoing_requests=max_ongoing,
         # bound the callers' queues too: past this Serve raises BackPressureError -> 429
         max_queued_requests=max_ongoing,
-        ray_actor_options={"num_cpus": v.resources.num_cpus, "num_gpus": v.resources.num_gpus},
+        ray_actor_options={
+            "num_cpus": v.resources.num_cpus,
+            # with TP the GPUs belong to the rank bundles, not the replica actor
+            "num_gpus": v.resources.num_gpus if not pg else 0,
+        },
         health_check_period_s=10,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=60,
@@ -60,6 +68,10 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
         max_tokens_default,
         gpu_source=a.gpu_source if a else "nvml",
         gpu_sample_interval_s=a.gpu_sample_interval_s if a else 1.0,
+        tensor_parallel_size=v.tensor_parallel_size,
+        gpus_per_rank=v.resources.num_gpus,
+        nccl=v.nccl.model_dump(),
+        lora_adapter=v.lora_adapter,
     )
 
 
@@ -98,5 +110,6 @@ def grpc_options(config: AppConfig) -> gRPCOptions:
 
 def deploy(config: AppConfig, blocking: bool = False):
     """Start Serve on the connected Ray cluster and deploy the app."""
+    check_capacity(config, cluster_node_gpus())
     serve.start(http_options=http_options(config), grpc_options=grpc_options(config))
     return serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=blocking)

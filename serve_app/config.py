@@ -7,15 +7,18 @@ problem with its field path (``models[0].variants[1].weight: ...``).
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from autoscale.policy import PolicyConfig
 from serve_app._model import StrictModel
+from serve_app.engines.options import MAX_TENSOR_PARALLEL
 from serve_app.engines.registry import UnknownEngineError, options_model_for
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -49,8 +52,44 @@ class EngineSpec(StrictModel):
 class ReplicaResources(StrictModel):
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved by each LLMServer replica.")
     num_gpus: float = Field(
-        0.0, ge=0, description="GPUs reserved by a replica with tensor_parallel_size 1."
+        0.0, ge=0, description="GPUs per tensor-parallel rank (the whole replica when tensor_parallel_size is 1)."
     )
+
+
+class NcclSpec(StrictModel):
+    profile: Literal["auto", "nvlink", "pcie", "multi_node_ib", "multi_node_tcp", "none"] = Field(
+        "auto", description="NCCL profile; 'auto' reads the node's NVLink topology from NVML at replica start."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="NCCL_* overrides on top of the profile, validated against NCCL's ranges."
+    )
+    socket_ifname: str | None = Field(None, description="NCCL_SOCKET_IFNAME for multi-node profiles.")
+    ib_hca: str | None = Field(None, description="NCCL_IB_HCA for the multi_node_ib profile.")
+    multicast_allowed: bool = Field(
+        False, description="Allow NVLink multicast (NVLS). Off by default: some platforms forbid it."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "NcclSpec":
+        from cluster.nccl import NcclConfigError, check
+
+        try:
+            check(self.env, None if self.profile in ("auto", "none") else self.profile, self.multicast_allowed)
+        except NcclConfigError as e:
+            raise ValueError(f"nccl.env: {e}") from e
+        return self
+
+    def resolve(self, detected_topology: str | None) -> dict[str, str]:
+        from cluster.nccl import check, profile
+
+        topo = detected_topology if self.profile == "auto" else self.profile
+        env = {} if self.profile == "none" or topo is None else profile(
+            topo, self.socket_ifname, self.ib_hca, self.multicast_allowed)
+        if not self.multicast_allowed:
+            env.setdefault("NCCL_NVLS_ENABLE", "0")
+        env.update(self.env)
+        check(env, topo, self.multicast_allowed)
+        return env
 
 
 _GPU_SOURCE = re.compile(r"^(nvml|none|fake:\d+(\.\d+)?:\d+(\.\d+)?)$")
@@ -105,6 +144,39 @@ class VariantConfig(StrictModel):
     autoscaling: AutoscalingSpec | None = Field(
         None, description="Autoscale on queue depth and GPU utilisation; num_replicas is then ignored."
     )
+    nccl: NcclSpec = Field(default_factory=NcclSpec, description="NCCL environment for the TP ranks.")
+    lora_adapter: str | None = Field(
+        None, description="Serve this variant through a LoRA adapter of the engine (trtllm)."
+    )
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> "VariantConfig":
+        tp = self.tensor_parallel_size
+        backend = self.engine.backend
+        limit = MAX_TENSOR_PARALLEL.get(backend)
+        if limit is not None and tp > limit:
+            raise ValueError(
+                f"tensor_parallel_size {tp}: the {backend!r} backend runs at most {limit} rank(s)"
+            )
+        if tp > 1 and self.resources.num_gpus <= 0:
+            raise ValueError(
+                f"tensor_parallel_size {tp} needs resources.num_gpus >= 1 (GPUs per rank)"
+            )
+        heads = model_heads(backend, self.engine.options) if tp > 1 else None
+        if heads is not None:
+            n_heads, n_kv = heads
+            if n_heads % tp or n_kv % tp:
+                raise ValueError(
+                    f"tensor_parallel_size {tp} does not divide the model's {n_heads} attention heads "
+                    f"and {n_kv} KV heads"
+                )
+        if self.lora_adapter is not None:
+            adapters = (self.engine.options.get("lora") or {}).get("adapters", {})
+            if self.lora_adapter not in adapters:
+                raise ValueError(
+                    f"lora_adapter {self.lora_adapter!r} is not among engine.options.lora.adapters {sorted(adapters)}"
+                )
+        return self
 
     @field_validator("name")
     @classmethod
@@ -208,6 +280,45 @@ class AppConfig(StrictModel):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+
+def model_heads(backend: str, options: dict) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of the variant's model, read from local files; None if unknown."""
+    from serve_app.engines.options import EMBEDDED_SMOLLM2
+
+    model = options.get("model")
+    if backend not in ("hf", "trtllm") or not model:
+        return None
+    if model == EMBEDDED_SMOLLM2:
+        return _gguf_heads()
+    cfg_path = Path(model).expanduser() / "config.json"
+    if not cfg_path.exists():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg.get("num_attention_heads")
+    if heads is None:
+        return None
+    return int(heads), int(cfg.get("num_key_value_heads", heads))
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_heads() -> tuple[int, int] | None:
+    try:
+        from gguf import GGUFReader
+
+        from serve_app.engines.model_store import _gguf_path
+
+        reader = GGUFReader(_gguf_path())
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+        def value(key):
+            f = reader.fields[f"{arch}.{key}"]
+            return int(f.parts[f.data[0]][0])
+
+        return value("attention.head_count"), value("attention.head_count_kv")
+    except Exception:  # the package is absent: nothing to check against
+        return None
 
 
 def format_errors(e: ValidationError) -> str:

@@ -11,9 +11,14 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator
 
+import ray
+
 from autoscale.gpu import GpuUtilSmoother, make_gpu_source
 from autoscale.ray_policy import GPU_METRIC, OCCUPANCY_METRIC, QUEUE_METRIC
-from serve_app.engines.base import GenerationRequest, SamplingParams
+from cluster.nccl import detect
+from cluster.placement import start_rank_workers
+from serve_app.config import NcclSpec
+from serve_app.engines.base import GenerationRequest, ParallelConfig, SamplingParams
 from serve_app.engines.registry import create_engine
 from serve_app.errors import InvalidRequestError
 from serve_app.deployments.coalesce import coalesced
@@ -32,11 +37,26 @@ class LLMServer:
         max_tokens_default: int = 256,
         gpu_source: str = "nvml",
         gpu_sample_interval_s: float = 1.0,
+        tensor_parallel_size: int = 1,
+        gpus_per_rank: float = 0.0,
+        nccl: dict | None = None,
+        lora_adapter: str | None = None,
     ):
         self.model_name = model_name
         self.variant = variant
         self.max_tokens_default = max_tokens_default
-        self.engine = create_engine(backend, engine_options)
+        self.lora_adapter = lora_adapter
+        tp = tensor_parallel_size
+        env = {}
+        if tp > 1:
+            # ranks are STRICT_PACKed on one node: the topology is this node's
+            env = NcclSpec.model_validate(nccl or {}).resolve(detect(num_nodes=1).topology)
+        parallel = ParallelConfig(tensor_parallel_size=tp, bundle_indices=list(range(tp)), env=env)
+        self.engine = create_engine(backend, engine_options, parallel)
+        self.rank_workers = []
+        if tp > 1 and not self.engine.places_own_workers:
+            self.rank_workers = start_rank_workers(tp, gpus_per_rank, env)
+        self.placement = [await w.info.remote() for w in self.rank_workers]
         await self.engine.start()
         self.gpu = GpuUtilSmoother(
             make_gpu_source(gpu_source, lambda: self.engine.stats().num_running > 0),
@@ -65,6 +85,7 @@ class LLMServer:
         return GenerationRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
+            adapter=self.lora_adapter,
             sampling=SamplingParams(
                 max_tokens=max_tokens,
                 temperature=req.temperature,
@@ -111,6 +132,10 @@ class LLMServer:
         s["max_model_len"] = self.engine.max_model_len
         s["load_time_s"] = getattr(self.engine, "load_time_s", None)
         s["gpu_util_pct"] = self.gpu.util_pct
+        s["tensor_parallel_size"] = self.engine.parallel.tensor_parallel_size
+        s["placement"] = self.placement
+        s["replica_node_id"] = ray.get_runtime_context().get_node_id()
+        s["replica_actor_id"] = ray.get_runtime_context().get_actor_id()
         s["gpu_source"] = self.gpu.source.name
         s["gpu_unavailable_reason"] = self.gpu.source.unavailable_reason
         last = self.gpu.last

@@ -1,0 +1,84 @@
+"""Replica placement: one placement group per replica, one bundle per TP rank.
+
+A replica of tensor_parallel_size N reserves N GPU bundles with STRICT_PACK,
+so its ranks never leave one node (one NVLink domain). The replica actor sits
+in bundle 0 next to rank 0. Backends that start their own rank workers
+(TensorRT-LLM's Ray executor) are pointed at these bundles; for the others the
+LLMServer starts one :class:`RankWorker` per bundle.
+"""
+
+from __future__ import annotations
+
+import os
+
+from serve_app.config import AppConfig, ConfigError, VariantConfig
+
+
+def bundles(v: VariantConfig) -> list[dict[str, float]] | None:
+    tp = v.tensor_parallel_size
+    if tp == 1:
+        return None
+    g = v.resources.num_gpus
+    first = {"CPU": v.resources.num_cpus + 1.0, "GPU": g}
+    return [first] + [{"CPU": 1.0, "GPU": g} for _ in range(tp - 1)]
+
+
+def check_capacity(config: AppConfig, node_gpus: list[float]) -> None:
+    """Reject a TP size that no node of the cluster can hold (STRICT_PACK never spans nodes)."""
+    largest = max(node_gpus, default=0.0)
+    problems = []
+    for m in config.models:
+        for v in m.variants:
+            need = v.tensor_parallel_size * v.resources.num_gpus
+            if v.tensor_parallel_size > 1 and need > largest:
+                problems.append(
+                    f"models[{m.name}].variants[{v.name}]: tensor_parallel_size {v.tensor_parallel_size} x "
+                    f"{v.resources.num_gpus:g} GPU needs {need:g} GPUs on one node; the largest node has {largest:g}"
+                )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def cluster_node_gpus() -> list[float]:
+    import ray
+
+    return [float(n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n.get("Alive")]
+
+
+def _rank_worker_class():
+    import ray
+
+    @ray.remote
+    class RankWorker:
+        """Holds one TP rank's GPU bundle and reports where it landed."""
+
+        def __init__(self, rank: int, world_size: int, env: dict):
+            os.environ.update(env)
+            self.rank, self.world_size = rank, world_size
+
+        def info(self) -> dict:
+            ctx = ray.get_runtime_context()
+            return {"rank": self.rank, "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                    "pid": os.getpid(), "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+
+    return RankWorker
+
+
+def start_rank_workers(tp: int, gpus_per_rank: float, env: dict) -> list:
+    """One worker per bundle of the calling replica's placement group."""
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("tensor_parallel_size > 1 but the replica has no placement group")
+    cls = _rank_worker_class()
+    return [
+        cls.options(
+            num_cpus=1,
+            num_gpus=gpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+            runtime_env={"env_vars": dict(env)},
+        ).remote(i, tp, env)
+        for i in range(tp)
+    ]
