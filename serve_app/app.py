@@ -72,6 +72,7 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
         gpus_per_rank=v.resources.num_gpus,
         nccl=v.nccl.model_dump(),
         lora_adapter=v.lora_adapter,
+        sampling=v.sampling.model_dump() if v.sampling else None,
     )
 
 

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+    from rollout.cli import add_parser as add_rollout_parser
+
+    add_rollout_parser(sub)
+
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config_command", required=True)
     v = csub.add_parser("validate", help="validate an app config YAML")

@@ -126,6 +126,11 @@ class AutoscalingSpec(StrictModel):
         return self
 
 
+class SamplingOverrides(StrictModel):
+    temperature: float | None = Field(None, ge=0, le=2, description="Replaces the request's temperature.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Replaces the request's top_p.")
+
+
 class VariantConfig(StrictModel):
     name: str = Field(description="Variant name, unique within its model (e.g. stable, canary).")
     weight: int = Field(100, ge=0, le=100, description="Share of the model's traffic, percent.")
@@ -147,6 +152,9 @@ class VariantConfig(StrictModel):
     nccl: NcclSpec = Field(default_factory=NcclSpec, description="NCCL environment for the TP ranks.")
     lora_adapter: str | None = Field(
         None, description="Serve this variant through a LoRA adapter of the engine (trtllm)."
+    )
+    sampling: SamplingOverrides | None = Field(
+        None, description="Sampling this variant forces on every request (e.g. to canary a new default)."
     )
 
     @model_validator(mode="after")
@@ -264,8 +272,29 @@ class ServerConfig(StrictModel):
         return self
 
 
+class RolloutSettings(StrictModel):
+    enabled: bool = Field(True, description="Run the rollout controller (canary plans, automatic rollback).")
+    db_path: str = Field(
+        "~/.seekserve/{app}/rollouts.db",
+        description="SQLite file (WAL) on the head node for rollout state and the audit log; '{app}' is "
+        "replaced by the Serve application name.",
+    )
+    tick_s: float = Field(1.0, gt=0, description="How often the controller advances rollouts.")
+    split_poll_s: float = Field(0.25, gt=0, description="How often each ingress replica picks up new weights.")
+
+
+class AdminSettings(StrictModel):
+    token_env: str = Field(
+        "SEEKSERVE_ADMIN_TOKEN",
+        description="Environment variable holding the admin token (rollout control, variant override). "
+        "Unset: the admin API refuses every call.",
+    )
+
+
 class AppConfig(StrictModel):
     models: list[ModelConfig] = Field(min_length=1, description="Served models.")
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Canary rollouts.")
+    admin: AdminSettings = Field(default_factory=AdminSettings, description="Admin API access.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Timeouts.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="Network endpoints.")

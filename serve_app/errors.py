@@ -79,6 +79,22 @@ class ModelNotFoundError(SeekserveError):
     default_code = "model_not_found"
 
 
+class NotFoundError(SeekserveError):
+    status_code = 404
+    grpc_status = "NOT_FOUND"
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ConflictError(SeekserveError):
+    """The request does not apply to the resource's current state (e.g. promote a finished rollout)."""
+
+    status_code = 409
+    grpc_status = "FAILED_PRECONDITION"
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
 class OverloadedError(SeekserveError):
     """The bounded queue is full; the client should retry after ``retry_after_s``."""
 

@@ -14,6 +14,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray workers inherit the driver's environment: the ingress reads the admin token from it
+ADMIN_TOKEN = "test-admin-token"
+os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN
 
 
 def _free_port() -> int:

@@ -1,21 +1,36 @@
-"""The ingress deployment: OpenAI HTTP routes over the shared InferenceCore."""
-
-
+"""The ingress deployment: OpenAI HTTP routes, gRPC methods and the admin API,
+all over the shared InferenceCore."""
 
 import asyncio
+import hmac
 import json
+import logging
+import os
 import time
 
 from fastapi import Request
+from pydantic import ValidationError
 from ray import serve
 
+from rollout.controller import RolloutNotFound, get_or_create, read_split
 from rollout.router import Router, TrafficSplit
-from serve_app.config import parse_config
-from serve_app.errors import EngineNotReadyError
+from rollout.signals import RequestTelemetry, make_provider
+from rollout.state_machine import RolloutCommandError
+from serve_app.config import format_errors, parse_config
+from serve_app.errors import (
+    ConflictError,
+    EngineNotReadyError,
+    ForbiddenError,
+    InvalidRequestError,
+    NotFoundError,
+    UnauthorizedError,
+)
 from serve_app.frontend.core import InferenceCore
 from serve_app.frontend.grpc_front import GrpcFront
 from serve_app.frontend.http import error_response, make_app, run_request
 from serve_app.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("seekserve.ingress")
 
 app = make_app()
 
@@ -48,10 +63,12 @@ class BodyLimit:
 
 app.add_middleware(BodyLimit)
 
+_COMMANDS = {"promote": "promote", "promote-full": "promote_full", "abort": "abort", "retry": "retry"}
+
 
 @serve.ingress(app)
 class Ingress(GrpcFront):
-    def __init__(self, config: dict, handles: dict):
+    async def __init__(self, config: dict, handles: dict):
         self.config = parse_config(config)
         router = Router(
             {
@@ -59,17 +76,57 @@ class Ingress(GrpcFront):
                 for m in self.config.models
             }
         )
-        self.core = InferenceCore(self.config, handles, router)
+        self.app_name = serve.get_replica_context().app_name
+        self._admin_token = os.environ.get(self.config.admin.token_env) or None
+        self.controller = None
+        telemetry = None
+        if self.config.rollout.enabled:
+            variants = {m.name: [v.name for v in m.variants] for m in self.config.models}
+            db_path = self.config.rollout.db_path.replace("{app}", self.app_name)
+            self.controller = get_or_create(self.app_name, db_path, variants,
+                                            self.config.rollout.tick_s)
+            controller = self.controller
+            telemetry = RequestTelemetry(make_provider(lambda batch: controller.ingest.remote(batch)))
+        self.core = InferenceCore(self.config, handles, router, telemetry)
         self.started = int(time.time())
+        self._split_versions: dict[str, int] = {}
         BodyLimit.limit_bytes = self.config.limits.max_body_bytes
+        if self.controller is not None:
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll_splits())
 
+    async def _poll_splits(self) -> None:
+        """Adopt the weights the rollout controller publishes (one reference swap each)."""
+        while True:
+            for m in self.config.models:
+                try:
+                    got = await asyncio.to_thread(read_split, self.app_name, m.name)
+                    if got and got["version"] != self._split_versions.get(m.name):
+                        self.core.router.set_weights(m.name, got["weights"])
+                        self._split_versions[m.name] = got["version"]
+                        log.info("traffic split of %s now %s (%s)", m.name, got["weights"], got.get("rollout"))
+                except Exception as e:  # keep serving on the last split
+                    log.warning("cannot read the traffic split of %s: %s", m.name, e)
+            await asyncio.sleep(self.config.rollout.split_poll_s)
+
+    # ---- auth for admin calls ------------------------------------------------
+    def check_admin(self, request: Request) -> str:
+        if self._admin_token is None:
+            raise ForbiddenError(f"the admin API is disabled: set {self.config.admin.token_env} on the cluster")
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer "):
+            raise UnauthorizedError("missing admin bearer token")
+        if not hmac.compare_digest(auth[7:].strip().encode(), self._admin_token.encode()):
+            raise ForbiddenError("the admin token is not valid")
+        return "admin"
+
+    # ---- OpenAI API -----------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        return await run_request(self.core, request, body, chat=True)
+        return await run_request(self.core, request, body, chat=True, check_admin=self.check_admin)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        return await run_request(self.core, request, body, chat=False)
+        return await run_request(self.core, request, body, chat=False, check_admin=self.check_admin)
 
     @app.get("/v1/models")
     async def models(self):
@@ -108,3 +165,65 @@ class Ingress(GrpcFront):
         except Exception as e:
             raise EngineNotReadyError(f"a model variant is not ready: {type(e).__name__}") from e
         return dict(zip(keys, results))
+
+    @app.get("/admin/traffic")
+    async def traffic(self):
+        return {m: self.core.router.split(m).as_dict() for m in self.core.models()}
+
+    # ---- rollouts ------------------------------------------------------------
+    async def _call(self, method: str, *args):
+        if self.controller is None:
+            raise ConflictError("rollouts are disabled in this app's config (rollout.enabled)")
+        try:
+            return await getattr(self.controller, method).remote(*args)
+        except Exception as e:
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, RolloutNotFound):
+                raise NotFoundError(f"rollout {cause.args[0]!r} does not exist") from e
+            if isinstance(cause, RolloutCommandError):
+                raise ConflictError(str(cause)) from e
+            if isinstance(cause, ValidationError):
+                raise InvalidRequestError(format_errors(cause)) from e
+            if isinstance(cause, ValueError):
+                raise InvalidRequestError(str(cause)) from e
+            raise
+
+    @app.post("/admin/rollouts", status_code=201)
+    async def start_rollout(self, request: Request):
+        who = self.check_admin(request)
+        try:
+            plan = await request.json()
+        except ValueError as e:
+            raise InvalidRequestError(f"the body is not JSON: {e}") from e
+        return await self._call("start_rollout", plan, who)
+
+    @app.get("/admin/rollouts")
+    async def list_rollouts(self, request: Request):
+        self.check_admin(request)
+        return await self._call("status")
+
+    @app.get("/admin/rollouts/{name}")
+    async def get_rollout(self, name: str, request: Request):
+        self.check_admin(request)
+        return (await self._call("status", name))[0]
+
+    @app.get("/admin/rollouts/{name}/history")
+    async def rollout_history(self, name: str, request: Request):
+        self.check_admin(request)
+        return await self._call("history", name)
+
+    @app.post("/admin/rollouts/{name}/weights")
+    async def rollout_weights(self, name: str, request: Request):
+        who = self.check_admin(request)
+        body = await request.json()
+        w = body.get("canary_weight") if isinstance(body, dict) else None
+        if not isinstance(w, int) or not 0 <= w <= 100:
+            raise InvalidRequestError("canary_weight must be an integer 0..100", param="canary_weight")
+        return await self._call("command", name, "set_weight", who, w)
+
+    @app.post("/admin/rollouts/{name}/{cmd}")
+    async def rollout_command(self, name: str, cmd: str, request: Request):
+        who = self.check_admin(request)
+        if cmd not in _COMMANDS:
+            raise NotFoundError(f"unknown rollout command {cmd!r}; valid: {', '.join(_COMMANDS)}")
+        return await self._call("command", name, _COMMANDS[cmd], who)

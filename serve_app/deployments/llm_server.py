@@ -41,11 +41,13 @@ class LLMServer:
         gpus_per_rank: float = 0.0,
         nccl: dict | None = None,
         lora_adapter: str | None = None,
+        sampling: dict | None = None,
     ):
         self.model_name = model_name
         self.variant = variant
         self.max_tokens_default = max_tokens_default
         self.lora_adapter = lora_adapter
+        self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         tp = tensor_parallel_size
         env = {}
         if tp > 1:
@@ -88,8 +90,8 @@ class LLMServer:
             adapter=self.lora_adapter,
             sampling=SamplingParams(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
+                temperature=self.sampling.get("temperature", req.temperature),
+                top_p=self.sampling.get("top_p", req.top_p),
                 seed=req.seed,
                 stop=list(req.stop),
                 top_logprobs=req.top_logprobs,

@@ -19,9 +19,11 @@ from ray.serve import exceptions as serve_exceptions
 
 from rollout.router import Router
 from serve_app.config import AppConfig
+from rollout.signals import RequestTelemetry
 from serve_app.errors import (
     EngineError,
     EngineNotReadyError,
+    InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
     RequestTimeoutError,
@@ -58,79 +60,136 @@ class StreamHandle:
     rest: AsyncIterator[Delta]
 
 
+# a client that goes away is not the variant's failure (nginx's 499)
+CLIENT_CLOSED = 499
+
+
+class _NoSpan:
+    def add_logprobs(self, lps) -> None:
+        pass
+
+    def finish(self, **kw) -> None:
+        pass
+
+
 class InferenceCore:
-    def __init__(self, config: AppConfig, handles: dict[str, dict[str, object]], router: Router):
+    def __init__(self, config: AppConfig, handles: dict[str, dict[str, object]], router: Router,
+                 telemetry: RequestTelemetry | None = None):
         self.config = config
         self.handles = handles
         self.router = router
+        self.telemetry = telemetry
 
     def models(self) -> list[str]:
         return [m.name for m in self.config.models]
 
-    def route(self, model: str, user: str | None) -> tuple[str, object]:
+    def route(self, model: str, user: str | None, override: str | None = None) -> tuple[str, object]:
         split = self.router.split(model)
         if split is None:
             raise ModelNotFoundError(f"The model '{model}' does not exist", param="model")
-        variant = split.pick(user)
+        if override is not None:
+            if override not in self.handles[model]:
+                raise InvalidRequestError(
+                    f"variant {override!r} of {model!r} does not exist; variants: {sorted(self.handles[model])}",
+                    param="x-seekserve-variant")
+            variant = override
+        else:
+            variant = split.pick(user)
         return variant, self.handles[model][variant]
 
-    async def complete(self, req: InferenceRequest, user: str | None = None) -> Completion:
-        variant, handle = self.route(req.model, user)
+    def _span(self, req: InferenceRequest, variant: str):
+        if self.telemetry is None:
+            return _NoSpan()
+        op = "chat" if req.messages is not None else "text_completion"
+        return self.telemetry.start(op, req.model, variant, req.request_id)
+
+    async def complete(self, req: InferenceRequest, user: str | None = None,
+                       override: str | None = None) -> Completion:
+        variant, handle = self.route(req.model, user, override)
+        span = self._span(req, variant)
         t = self.config.timeouts
         response = handle.generate_full.remote(req)
         try:
-            result = await asyncio.wait_for(_await(response), timeout=t.request_timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise RequestTimeoutError(
-                f"the request did not finish within {t.request_timeout_s:g} s"
-            ) from None
-        except asyncio.CancelledError:
-            response.cancel()
+            try:
+                result = await asyncio.wait_for(_await(response), timeout=t.request_timeout_s)
+            except asyncio.TimeoutError:
+                response.cancel()
+                raise RequestTimeoutError(
+                    f"the request did not finish within {t.request_timeout_s:g} s"
+                ) from None
+            except asyncio.CancelledError:
+                response.cancel()
+                span.finish(status_code=CLIENT_CLOSED, error_type="cancelled")
+                raise
+            except Exception as e:
+                raise to_seekserve_error(e, t.retry_after_s) from e
+        except SeekserveError as e:
+            span.finish(status_code=e.status_code, error_type=type(e).__name__)
             raise
-        except Exception as e:
-            raise to_seekserve_error(e, t.retry_after_s) from e
         result.variant = variant
+        span.add_logprobs(result.logprobs)
+        span.finish(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                    finish_reason=result.finish_reason)
         return result
 
-    async def stream(self, req: InferenceRequest, user: str | None = None) -> StreamHandle:
+    async def stream(self, req: InferenceRequest, user: str | None = None,
+                     override: str | None = None) -> StreamHandle:
         """Start a stream; admission errors surface here, before any byte is sent."""
-        variant, handle = self.route(req.model, user)
+        variant, handle = self.route(req.model, user, override)
+        span = self._span(req, variant)
         t = self.config.timeouts
         deadline = time.monotonic() + t.request_timeout_s
         gen = handle.options(stream=True).generate.remote(req)
         first_timeout = min(t.first_token_timeout_s or t.request_timeout_s, t.request_timeout_s)
         try:
-            first = await asyncio.wait_for(gen.__anext__(), timeout=first_timeout)
-        except asyncio.TimeoutError:
-            gen.cancel()
-            raise RequestTimeoutError(f"no token within {first_timeout:g} s") from None
-        except asyncio.CancelledError:
-            gen.cancel()
+            try:
+                first = await asyncio.wait_for(gen.__anext__(), timeout=first_timeout)
+            except asyncio.TimeoutError:
+                gen.cancel()
+                raise RequestTimeoutError(f"no token within {first_timeout:g} s") from None
+            except asyncio.CancelledError:
+                gen.cancel()
+                span.finish(status_code=CLIENT_CLOSED, error_type="cancelled")
+                raise
+            except StopAsyncIteration:
+                raise EngineError("the engine ended the stream without output") from None
+            except Exception as e:
+                raise to_seekserve_error(e, t.retry_after_s) from e
+        except SeekserveError as e:
+            span.finish(status_code=e.status_code, error_type=type(e).__name__)
             raise
-        except StopAsyncIteration:
-            raise EngineError("the engine ended the stream without output") from None
-        except Exception as e:
-            raise to_seekserve_error(e, t.retry_after_s) from e
-        return StreamHandle(variant, first, self._rest(gen, deadline))
+        span.add_logprobs(first.logprobs)
+        return StreamHandle(variant, first, self._rest(gen, deadline, span, first))
 
-    async def _rest(self, gen, deadline: float) -> AsyncIterator[Delta]:
+    async def _rest(self, gen, deadline: float, span, last: Delta) -> AsyncIterator[Delta]:
+        status, error_type = CLIENT_CLOSED, "cancelled"
         try:
+            if last.finish_reason is not None:
+                status, error_type = 200, None
+                return
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RequestTimeoutError("the request timed out while streaming")
                 try:
-                    yield await asyncio.wait_for(gen.__anext__(), timeout=left)
+                    last = await asyncio.wait_for(gen.__anext__(), timeout=left)
                 except StopAsyncIteration:
+                    status, error_type = 200, None
                     return
                 except asyncio.TimeoutError:
                     raise RequestTimeoutError("the request timed out while streaming") from None
                 except Exception as e:
                     raise to_seekserve_error(e, self.config.timeouts.retry_after_s) from e
+                span.add_logprobs(last.logprobs)
+                yield last
+        except SeekserveError as e:
+            status, error_type = e.status_code, type(e).__name__
+            raise
         finally:
             # the client went away, timed out or finished: stop the replica's generator
             gen.cancel()
+            span.finish(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                        finish_reason=last.finish_reason, status_code=status, error_type=error_type)
 
 
 async def _await(response):

@@ -132,12 +132,14 @@ class GrpcFront:
             handle = await self.core.stream(req, user)
         except Exception as e:
             raise _fail(grpc_context, to_seekserve_error(e)) from e
-        yield delta_message(req, handle.first, handle.variant)
         try:
+            yield delta_message(req, handle.first, handle.variant)
             async for d in handle.rest:
                 yield delta_message(req, d, handle.variant)
         except Exception as e:
             raise _fail(grpc_context, to_seekserve_error(e)) from e
+        finally:
+            await handle.rest.aclose()
 
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check: SERVING when every variant of the service answers.

@@ -74,6 +74,9 @@ def _user_key(request: Request, body_user: str | None) -> str | None:
     return body_user or request.headers.get(USER_HEADER) or None
 
 
+OVERRIDE_HEADER = "x-seekserve-variant"
+
+
 async def _sse(core: InferenceCore, req: InferenceRequest, fmt: ChunkFormatter, include_usage: bool, handle):
     def event(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
@@ -96,22 +99,27 @@ async def _sse(core: InferenceCore, req: InferenceRequest, fmt: ChunkFormatter, 
         err = to_seekserve_error(e)
         log.warning("stream %s failed: %s", req.request_id, err.message)
         yield event(err.to_body())
+    finally:
+        await handle.rest.aclose()
     yield "data: [DONE]\n\n"
 
 
-async def run_request(core: InferenceCore, request: Request, body, chat: bool):
+async def run_request(core: InferenceCore, request: Request, body, chat: bool, check_admin=None):
     limits = core.config.limits
     req = chat_to_internal(body, limits) if chat else completion_to_internal(body, limits)
     user = _user_key(request, body.user)
+    override = request.headers.get(OVERRIDE_HEADER)
+    if override is not None and check_admin is not None:
+        check_admin(request)  # pinning a variant is for testing, admins only
     if body.stream:
-        handle = await core.stream(req, user)
+        handle = await core.stream(req, user, override)
         fmt = ChunkFormatter(req, body.model, chat)
         return StreamingResponse(
             _sse(core, req, fmt, body.include_usage(), handle),
             media_type="text/event-stream",
             headers={VARIANT_HEADER: handle.variant, "Cache-Control": "no-cache"},
         )
-    result = await core.complete(req, user)
+    result = await core.complete(req, user, override)
     payload = chat_response(req, result, body.model) if chat else completion_response(req, result, body.model)
     return JSONResponse(payload, headers={VARIANT_HEADER: result.variant})
 

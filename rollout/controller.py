@@ -1,0 +1,186 @@
+"""The rollout controller: a detached Ray actor on the head node.
+
+Thin glue around the pure parts: it feeds request samples into
+:class:`~rollout.signals.SampleWindows`, runs :func:`rollout.state_machine.tick`
+for every active rollout each ``tick_s``, persists state and audit rows in
+SQLite, and publishes the traffic split to Ray's internal KV, where every
+ingress replica picks it up (a split is one value: a request sees the old one
+or the new one, never a mix). Restarted, it reloads from SQLite and resumes at
+the same step with the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import ray
+
+from rollout.analysis import evaluate
+from rollout.plan import RolloutPlan
+from rollout.signals import SampleWindows, samples_from_batch
+from rollout.state_machine import TERMINAL, Event, RolloutCommandError, command, start, tick, weights
+from rollout.store import RolloutStore
+
+log = logging.getLogger("seekserve.rollout")
+
+ACTOR_NAME = "seekserve-rollout-controller"
+NAMESPACE = "seekserve"
+KV_NAMESPACE = "seekserve"
+
+
+def actor_name(app: str) -> str:
+    return f"{ACTOR_NAME}-{app}"
+
+
+def split_key(app: str, model: str) -> str:
+    return f"splits/{app}/{model}"
+
+
+class RolloutNotFound(KeyError):
+    pass
+
+
+class RolloutController:
+    def __init__(self, app: str, db_path: str, variants: dict[str, list[str]], tick_s: float = 1.0,
+                 window_max_age_s: float = 3600.0):
+        self.app = app
+        self.store = RolloutStore(db_path)
+        self.variants = variants
+        self.tick_s = tick_s
+        self.windows = SampleWindows(window_max_age_s)
+        self._lock = asyncio.Lock()
+        self._task = None
+        # after a restart the routers must converge on the persisted weights
+        for plan, state in self.store.all():
+            self._publish(plan, state)
+
+    async def run(self) -> None:
+        self._ensure_loop()
+
+    def _ensure_loop(self) -> None:
+        # after a restart by Ray (max_restarts) nobody calls run(): any call starts the loop
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick_all()
+            except Exception:  # one bad tick must not stop the controller
+                log.exception("rollout tick failed")
+            await asyncio.sleep(self.tick_s)
+
+    async def tick_all(self, now: float | None = None) -> None:
+        async with self._lock:
+            now = time.time() if now is None else now
+            for plan, state in self.store.all():
+                if state.phase in TERMINAL and state.scale_down_at_s is None:
+                    continue
+
+                def evaluator(gates, plan=plan):
+                    return evaluate(gates, self.windows, plan.model, plan.stable, plan.canary, now)
+
+                new, events = tick(plan, state, now, evaluator)
+                if new != state or events:
+                    self.store.save(plan, new, events, who="controller", at=now)
+                    if new.canary_weight != state.canary_weight or new.phase != state.phase:
+                        self._publish(plan, new)
+                    for e in events:
+                        log.info("rollout %s: %s: %s", plan.name, e.decision, e.reason)
+
+    async def ingest(self, batch: list[tuple]) -> None:
+        self._ensure_loop()
+        for model, variant, s in samples_from_batch(batch):
+            self.windows.add(model, variant, s)
+
+    def _publish(self, plan: RolloutPlan, state) -> None:
+        from ray.experimental import internal_kv
+
+        w = weights(plan, state, self.variants.get(plan.model, [plan.stable, plan.canary]))
+        value = {"weights": w, "version": time.time_ns(), "rollout": plan.name, "phase": state.phase}
+        internal_kv._internal_kv_put(split_key(self.app, plan.model), json.dumps(value).encode(),
+                                     overwrite=True, namespace=KV_NAMESPACE)
+
+    def _validate(self, plan: RolloutPlan) -> None:
+        known = self.variants.get(plan.model)
+        if known is None:
+            raise ValueError(f"model {plan.model!r} is not served; served: {sorted(self.variants)}")
+        for role, v in (("stable", plan.stable), ("canary", plan.canary)):
+            if v not in known:
+                raise ValueError(f"{role} variant {v!r} is not a variant of {plan.model!r}: {known}")
+
+    async def start_rollout(self, plan_dict: dict, who: str) -> dict:
+        self._ensure_loop()
+        plan = RolloutPlan.model_validate(plan_dict)
+        self._validate(plan)
+        async with self._lock:
+            for other, st in self.store.all():
+                if other.model == plan.model and st.phase not in TERMINAL and other.name != plan.name:
+                    raise RolloutCommandError(f"rollout {other.name!r} is already active on {plan.model!r}")
+            existing = self.store.load(plan.name)
+            if existing is not None and existing[1].phase not in TERMINAL:
+                raise RolloutCommandError(f"rollout {plan.name!r} is already {existing[1].phase}")
+            state = start(plan, time.time())
+            self.store.save(plan, state, [Event("start", f"started by {who}")], who=who)
+            self._publish(plan, state)
+        await self.tick_all()
+        return self._view(*self.store.load(plan.name))
+
+    async def command(self, name: str, cmd: str, who: str, canary_weight: int | None = None) -> dict:
+        self._ensure_loop()
+        async with self._lock:
+            got = self.store.load(name)
+            if got is None:
+                raise RolloutNotFound(name)
+            plan, state = got
+            new, events = command(plan, state, cmd, time.time(), canary_weight)
+            self.store.save(plan, new, events, who=who)
+            self._publish(plan, new)
+        return self._view(plan, new)
+
+    async def status(self, name: str | None = None) -> list[dict]:
+        self._ensure_loop()
+        if name is not None:
+            got = self.store.load(name)
+            if got is None:
+                raise RolloutNotFound(name)
+            return [self._view(*got)]
+        return [self._view(p, s) for p, s in self.store.all()]
+
+    async def history(self, name: str) -> list[dict]:
+        if self.store.load(name) is None:
+            raise RolloutNotFound(name)
+        return self.store.history(name)
+
+    def _view(self, plan, state) -> dict:
+        return {"plan": plan.model_dump(), "state": state.to_dict(),
+                "weights": weights(plan, state, self.variants.get(plan.model, [plan.stable, plan.canary]))}
+
+
+def head_node_strategy():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = next(n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n["Resources"])
+    return NodeAffinitySchedulingStrategy(node_id=head, soft=False)
+
+
+def get_or_create(app: str, db_path: str, variants: dict[str, list[str]], tick_s: float = 1.0):
+    """The named controller of this cluster (created on the head node if absent)."""
+    actor = ray.remote(RolloutController).options(
+        name=actor_name(app), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, max_concurrency=64, scheduling_strategy=head_node_strategy(),
+        # Ray restarts it after a crash; __init__ reloads every rollout from SQLite
+        max_restarts=-1,
+    ).remote(app, db_path, variants, tick_s)
+    actor.run.remote()
+    return actor
+
+
+def read_split(app: str, model: str) -> dict | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(split_key(app, model), namespace=KV_NAMESPACE)
+    return json.loads(raw) if raw else None
