@@ -45,8 +45,9 @@ class RolloutNotFound(KeyError):
 
 class RolloutController:
     def __init__(self, app: str, db_path: str, variants: dict[str, list[str]], tick_s: float = 1.0,
-                 window_max_age_s: float = 3600.0):
+                 window_max_age_s: float = 3600.0, replicas: dict[str, int | None] | None = None):
         self.app = app
+        self.replicas = replicas or {}
         self.store = RolloutStore(db_path)
         self.variants = variants
         self.tick_s = tick_s
@@ -84,12 +85,37 @@ class RolloutController:
                     return evaluate(gates, self.windows, plan.model, plan.stable, plan.canary, now)
 
                 new, events = tick(plan, state, now, evaluator)
+                if any(e.decision == "scale_down_canary" for e in events):
+                    events = [self._scale_event(e, plan, 0) if e.decision == "scale_down_canary" else e
+                              for e in events]
+                if new.gates != state.gates:
+                    self._export(plan, new, weights(plan, new, self.variants.get(plan.model, [])))
                 if new != state or events:
                     self.store.save(plan, new, events, who="controller", at=now)
                     if new.canary_weight != state.canary_weight or new.phase != state.phase:
                         self._publish(plan, new)
                     for e in events:
                         log.info("rollout %s: %s: %s", plan.name, e.decision, e.reason)
+
+    def _scale(self, plan: RolloutPlan, n: int | None) -> str:
+        """Set the canary's replica count through Serve's external-scaler API."""
+        if n is None:
+            return "Serve autoscales this variant: replica count left to its policy"
+        from ray.serve._private.common import DeploymentID
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        from serve_app.app import llm_deployment_name
+
+        try:
+            controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+            dep = DeploymentID(name=llm_deployment_name(plan.model, plan.canary), app_name=self.app)
+            ray.get(controller.update_deployment_replicas.remote(dep, n), timeout=30)
+            return f"{plan.canary} scaled to {n} replicas"
+        except Exception as e:  # scaling is best effort: the weight is already 0
+            return f"could not scale {plan.canary} to {n}: {type(e).__name__}: {e}"
+
+    def _scale_event(self, e: Event, plan: RolloutPlan, n: int) -> Event:
+        return Event(e.decision, f"{e.reason}; {self._scale(plan, n)}", e.gates)
 
     async def ingest(self, batch: list[tuple]) -> None:
         self._ensure_loop()
@@ -100,9 +126,26 @@ class RolloutController:
         from ray.experimental import internal_kv
 
         w = weights(plan, state, self.variants.get(plan.model, [plan.stable, plan.canary]))
+        self._export(plan, state, w)
         value = {"weights": w, "version": time.time_ns(), "rollout": plan.name, "phase": state.phase}
         internal_kv._internal_kv_put(split_key(self.app, plan.model), json.dumps(value).encode(),
                                      overwrite=True, namespace=KV_NAMESPACE)
+
+    def _export(self, plan: RolloutPlan, state, w: dict[str, int]) -> None:
+        try:
+            from serve_app import metrics
+
+            for variant, weight in w.items():
+                metrics.get("rollout_weight").set(weight, tags={"model": plan.model, "variant": variant})
+            for phase in ("Progressing", "Paused", "Healthy", "Degraded", "Aborted"):
+                metrics.get("rollout_phase").set(1.0 if state.phase == phase else 0.0,
+                                                 tags={"model": plan.model, "rollout": plan.name, "phase": phase})
+            for g in state.gates:
+                if g.get("value") is not None:
+                    metrics.get("gate").set(float(g["value"]),
+                                            tags={"model": plan.model, "rollout": plan.name, "metric": g["metric"]})
+        except Exception as e:  # metrics never break the controller
+            log.debug("rollout metrics failed: %s", e)
 
     def _validate(self, plan: RolloutPlan) -> None:
         known = self.variants.get(plan.model)
@@ -124,7 +167,8 @@ class RolloutController:
             if existing is not None and existing[1].phase not in TERMINAL:
                 raise RolloutCommandError(f"rollout {plan.name!r} is already {existing[1].phase}")
             state = start(plan, time.time())
-            self.store.save(plan, state, [Event("start", f"started by {who}")], who=who)
+            restored = self._scale(plan, self.replicas.get(f"{plan.model}/{plan.canary}", 1))
+            self.store.save(plan, state, [Event("start", f"started by {who}; {restored}")], who=who)
             self._publish(plan, state)
         await self.tick_all()
         return self._view(*self.store.load(plan.name))
@@ -137,6 +181,9 @@ class RolloutController:
                 raise RolloutNotFound(name)
             plan, state = got
             new, events = command(plan, state, cmd, time.time(), canary_weight)
+            if cmd == "retry":
+                events = [self._scale_event(e, plan, self.replicas.get(f"{plan.model}/{plan.canary}", 1))
+                          for e in events]
             self.store.save(plan, new, events, who=who)
             self._publish(plan, new)
         return self._view(plan, new)
@@ -167,14 +214,15 @@ def head_node_strategy():
     return NodeAffinitySchedulingStrategy(node_id=head, soft=False)
 
 
-def get_or_create(app: str, db_path: str, variants: dict[str, list[str]], tick_s: float = 1.0):
+def get_or_create(app: str, db_path: str, variants: dict[str, list[str]], tick_s: float = 1.0,
+                  replicas: dict[str, int | None] | None = None):
     """The named controller of this cluster (created on the head node if absent)."""
     actor = ray.remote(RolloutController).options(
         name=actor_name(app), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_concurrency=64, scheduling_strategy=head_node_strategy(),
         # Ray restarts it after a crash; __init__ reloads every rollout from SQLite
         max_restarts=-1,
-    ).remote(app, db_path, variants, tick_s)
+    ).remote(app, db_path, variants, tick_s, replicas=replicas)
     actor.run.remote()
     return actor
 

@@ -126,6 +126,11 @@ class RequestTelemetry:
         span.set_attribute("seekserve.request_id", request_id)
         return RequestSpan(span, model)
 
+    def context_of(self, rs: "RequestSpan") -> dict[str, str]:
+        from serve_app.tracing import inject
+
+        return inject(rs.span)
+
 
 class RequestSpan:
     def __init__(self, span, model: str):
@@ -159,15 +164,6 @@ class RequestSpan:
             s.set_attribute("error.type", error_type)
             s.set_status(Status(StatusCode.ERROR, error_type))
         s.end()
-
-
-def make_provider(sink: Callable[[list[tuple]], None] | None, extra_processors=()) -> TracerProvider:
-    provider = TracerProvider()
-    if sink is not None:
-        provider.add_span_processor(VariantWindowProcessor(sink))
-    for p in extra_processors:
-        provider.add_span_processor(p)
-    return provider
 
 
 def samples_from_batch(batch: list[tuple]):

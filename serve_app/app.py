@@ -38,7 +38,7 @@ def autoscaling_config(v: VariantConfig) -> AutoscalingConfig | None:
     )
 
 
-def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
+def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, tracing: dict):
     max_ongoing = v.effective_max_ongoing_requests()
     scaling = autoscaling_config(v)
     replicas = {"autoscaling_config": scaling} if scaling else {"num_replicas": v.num_replicas}
@@ -73,6 +73,7 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int):
         nccl=v.nccl.model_dump(),
         lora_adapter=v.lora_adapter,
         sampling=v.sampling.model_dump() if v.sampling else None,
+        tracing=tracing,
     )
 
 
@@ -80,7 +81,8 @@ def build_app(config: AppConfig):
     handles: dict[str, dict] = {}
     for m in config.models:
         for v in m.variants:
-            handles.setdefault(m.name, {})[v.name] = _llm_deployment(m.name, v, config.limits.max_tokens_default)
+            handles.setdefault(m.name, {})[v.name] = _llm_deployment(
+                m.name, v, config.limits.max_tokens_default, config.tracing.model_dump())
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=config.server.ingress_replicas,
@@ -109,8 +111,19 @@ def grpc_options(config: AppConfig) -> gRPCOptions:
     )
 
 
+def external_scaler(config: AppConfig) -> bool:
+    """The rollout controller scales a rolled-back canary down through Serve's
+    external-scaler API, which Serve allows only when no deployment autoscales."""
+    return not any(v.autoscaling for m in config.models for v in m.variants)
+
+
+def run_app(config: AppConfig, name: str = APP_NAME, route_prefix: str = "/", blocking: bool = False):
+    return serve.run(build_app(config), name=name, route_prefix=route_prefix, blocking=blocking,
+                     external_scaler_enabled=external_scaler(config))
+
+
 def deploy(config: AppConfig, blocking: bool = False):
     """Start Serve on the connected Ray cluster and deploy the app."""
     check_capacity(config, cluster_node_gpus())
     serve.start(http_options=http_options(config), grpc_options=grpc_options(config))
-    return serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=blocking)
+    return run_app(config, blocking=blocking)

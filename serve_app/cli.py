@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+    t = sub.add_parser("trace", help="trace tools")
+    tsub = t.add_subparsers(dest="trace_command", required=True)
+    top = tsub.add_parser("top", help="top leaf spans by share of the root's time (OTLP JSON lines)")
+    top.add_argument("file")
+    top.add_argument("--root", default="", help="root span name prefix, e.g. 'chat'")
+    top.add_argument("-k", type=int, default=3)
+    top.set_defaults(func=lambda a: print(__import__("serve_app.trace_top", fromlist=["render"]).render(
+        a.file, a.root, a.k)) or 0)
+
     from rollout.cli import add_parser as add_rollout_parser
 
     add_rollout_parser(sub)

@@ -283,6 +283,19 @@ class RolloutSettings(StrictModel):
     split_poll_s: float = Field(0.25, gt=0, description="How often each ingress replica picks up new weights.")
 
 
+class TracingSettings(StrictModel):
+    exporter: Literal["none", "console", "file", "otlp"] = Field(
+        "none", description="Where sampled spans go: nowhere, stdout, an OTLP JSON-lines file, or an OTLP/HTTP endpoint."
+    )
+    file_path: str = Field("~/.seekserve/traces.jsonl", description="File for the 'file' exporter.")
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces endpoint; default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or localhost."
+    )
+    sampling_ratio: float = Field(
+        1.0, ge=0, le=1, description="Share of traces exported (all are recorded for rollout gates)."
+    )
+
+
 class AdminSettings(StrictModel):
     token_env: str = Field(
         "SEEKSERVE_ADMIN_TOKEN",
@@ -295,6 +308,7 @@ class AppConfig(StrictModel):
     models: list[ModelConfig] = Field(min_length=1, description="Served models.")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Canary rollouts.")
     admin: AdminSettings = Field(default_factory=AdminSettings, description="Admin API access.")
+    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Timeouts.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="Network endpoints.")

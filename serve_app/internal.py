@@ -25,6 +25,8 @@ class InferenceRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    # W3C trace context of the ingress span, so replica spans join the same trace
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass

@@ -52,13 +52,15 @@ def serve_session():
 
     from serve_app.app import GRPC_SERVICERS
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    metrics_port = _free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     http_port, grpc_port = _free_port(), _free_port()
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
     )
-    yield {"http_port": http_port, "grpc_port": grpc_port, "base": f"http://127.0.0.1:{http_port}"}
+    yield {"http_port": http_port, "grpc_port": grpc_port, "base": f"http://127.0.0.1:{http_port}",
+           "metrics_port": metrics_port}
     serve.shutdown()
     ray.shutdown()
 
@@ -83,13 +85,12 @@ def slow_null_app(serve_session):
 
 
 def deploy_app(config_dict: dict, name: str, route_prefix: str):
-    from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.app import run_app
     from serve_app.config import parse_config
 
     cfg = parse_config(config_dict)
-    serve.run(build_app(cfg), name=name, route_prefix=route_prefix)
+    run_app(cfg, name=name, route_prefix=route_prefix)
     return cfg
 
 

@@ -14,7 +14,10 @@ import httpx
 import pytest
 import ray
 
+from ray import serve
+
 from rollout.controller import NAMESPACE, actor_name
+from serve_app.app import llm_deployment_name
 from tests.conftest import ADMIN_TOKEN, deploy_app, wait_for
 
 MODEL = "smol-ab"
@@ -152,6 +155,12 @@ def test_degraded_canary_is_rolled_back_automatically(ab):
     wait_for(lambda: admin(ab["base"], "GET", "/admin/traffic").json()[MODEL]["bad"] == 0, timeout_s=5)
     assert time.monotonic() - t0 < 240
     assert set(ab["load"].codes[start_codes:]) == {200}
+    # after scale_down_delay_s the canary's replicas go away
+    dep = llm_deployment_name(MODEL, "bad")
+    wait_for(lambda: serve.status().applications["ab"].deployments[dep].replica_states.get("RUNNING", 0) == 0,
+             timeout_s=60)
+    hist = admin(ab["base"], "GET", "/admin/rollouts/bad-canary/history").json()
+    assert any(h["decision"] == "scale_down_canary" and "scaled to 0" in h["reason"] for h in hist)
 
 
 @pytest.mark.slow

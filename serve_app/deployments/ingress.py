@@ -14,7 +14,8 @@ from ray import serve
 
 from rollout.controller import RolloutNotFound, get_or_create, read_split
 from rollout.router import Router, TrafficSplit
-from rollout.signals import RequestTelemetry, make_provider
+from rollout.signals import RequestTelemetry, VariantWindowProcessor
+from serve_app import tracing
 from rollout.state_machine import RolloutCommandError
 from serve_app.config import format_errors, parse_config
 from serve_app.errors import (
@@ -79,14 +80,20 @@ class Ingress(GrpcFront):
         self.app_name = serve.get_replica_context().app_name
         self._admin_token = os.environ.get(self.config.admin.token_env) or None
         self.controller = None
-        telemetry = None
+        processors = []
         if self.config.rollout.enabled:
             variants = {m.name: [v.name for v in m.variants] for m in self.config.models}
+            # replicas a canary gets back when a rollout (re)starts; None: Serve autoscales it
+            replicas = {f"{m.name}/{v.name}": (None if v.autoscaling else v.num_replicas)
+                        for m in self.config.models for v in m.variants}
             db_path = self.config.rollout.db_path.replace("{app}", self.app_name)
-            self.controller = get_or_create(self.app_name, db_path, variants,
-                                            self.config.rollout.tick_s)
+            self.controller = get_or_create(self.app_name, db_path, variants, self.config.rollout.tick_s,
+                                            replicas=replicas)
             controller = self.controller
-            telemetry = RequestTelemetry(make_provider(lambda batch: controller.ingest.remote(batch)))
+            processors.append(VariantWindowProcessor(lambda batch: controller.ingest.remote(batch)))
+        telemetry = None
+        if processors or self.config.tracing.exporter != "none":
+            telemetry = RequestTelemetry(tracing.make_provider(self.config.tracing, "seekserve-ingress", processors))
         self.core = InferenceCore(self.config, handles, router, telemetry)
         self.started = int(time.time())
         self._split_versions: dict[str, int] = {}

@@ -8,16 +8,20 @@ reports ready only once it can answer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
 import ray
 
+from serve_app import metrics
 from autoscale.gpu import GpuUtilSmoother, make_gpu_source
 from autoscale.ray_policy import GPU_METRIC, OCCUPANCY_METRIC, QUEUE_METRIC
 from cluster.nccl import detect
 from cluster.placement import start_rank_workers
-from serve_app.config import NcclSpec
+from serve_app.config import NcclSpec, TracingSettings
+from serve_app.tracing import extract, make_provider
 from serve_app.engines.base import GenerationRequest, ParallelConfig, SamplingParams
 from serve_app.engines.registry import create_engine
 from serve_app.errors import InvalidRequestError
@@ -42,6 +46,7 @@ class LLMServer:
         nccl: dict | None = None,
         lora_adapter: str | None = None,
         sampling: dict | None = None,
+        tracing: dict | None = None,
     ):
         self.model_name = model_name
         self.variant = variant
@@ -65,6 +70,14 @@ class LLMServer:
             interval_s=gpu_sample_interval_s,
         )
         self.gpu.start()
+        self._tags = metrics.tags(model_name, variant)
+        self._tracer = None
+        if tracing and tracing.get("exporter", "none") != "none":
+            settings = TracingSettings.model_validate(tracing)
+            self._tracer = make_provider(settings, "seekserve-llm-server").get_tracer("seekserve")
+        metrics.get("load").set(float(getattr(self.engine, "load_time_s", 0.0) or 0.0), tags=self._tags)
+        self._last_counts = (0, 0)
+        self._stats_task = asyncio.get_running_loop().create_task(self._export_stats())
         log.info("LLMServer %s/%s ready (backend %s)", model_name, variant, backend)
 
     def _to_generation_request(self, req: InferenceRequest) -> GenerationRequest:
@@ -104,25 +117,70 @@ class LLMServer:
         async for d in coalesced(self._deltas(req), merge_deltas):
             yield d
 
+    async def _export_stats(self, interval_s: float = 1.0) -> None:
+        """Engine and GPU gauges, and token counters from the engine's monotone totals."""
+        while True:
+            try:
+                s = self.engine.stats()
+                metrics.get("running").set(s.num_running, tags=self._tags)
+                metrics.get("waiting").set(s.num_waiting, tags=self._tags)
+                metrics.get("kv").set(s.kv_cache_usage, tags=self._tags)
+                p0, g0 = self._last_counts
+                if s.prompt_tokens > p0:
+                    metrics.get("prompt_tokens").inc(s.prompt_tokens - p0, tags=self._tags)
+                if s.generated_tokens > g0:
+                    metrics.get("gen_tokens").inc(s.generated_tokens - g0, tags=self._tags)
+                self._last_counts = (s.prompt_tokens, s.generated_tokens)
+                g = self.gpu.last
+                if g is not None:
+                    for i, u in enumerate(g.per_gpu_util_pct):
+                        gt = {**self._tags, "gpu": str(i)}
+                        metrics.get("gpu_util").set(u / 100.0, tags=gt)
+                    gt = {**self._tags, "gpu": "all"}
+                    metrics.get("gpu_mem_used").set(g.memory_used_bytes, tags=gt)
+                    metrics.get("gpu_mem_total").set(g.memory_total_bytes, tags=gt)
+            except Exception as e:  # metrics never break serving
+                log.debug("stats export failed: %s", e)
+            await asyncio.sleep(interval_s)
+
     async def _deltas(self, req: InferenceRequest) -> AsyncIterator[Delta]:
         greq = self._to_generation_request(req)
-        token_text = self.engine.token_text
-        async for c in self.engine.generate(greq):
-            tokens = top = None
-            if req.logprobs:
-                tokens = [token_text(t) for t in c.token_ids]
-                if c.top_logprobs is not None:
-                    top = [[(token_text(t), lp) for t, lp in d.items()] for d in c.top_logprobs]
-            yield Delta(
-                text=c.text,
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                tokens=tokens,
-                top_logprobs=top,
-                finish_reason=c.finish_reason,
-                prompt_tokens=c.num_prompt_tokens,
-                completion_tokens=c.num_generated_tokens,
-            )
+        t0 = last = time.monotonic()
+        trace = _ReplicaTrace(self._tracer, req, self.variant)
+        first = True
+        try:
+            async for c in self.engine.generate(greq):
+                now = time.monotonic()
+                if first:
+                    metrics.get("ttft").observe(now - t0, tags=self._tags)
+                    if c.queue_time_s is not None:
+                        metrics.get("queue").observe(c.queue_time_s, tags=self._tags)
+                    trace.first_chunk(c.queue_time_s)
+                    first = False
+                elif c.token_ids:
+                    metrics.get("itl").observe((now - last) / len(c.token_ids), tags=self._tags)
+                last = now
+                yield self._delta(req, c)
+        finally:
+            trace.end()
+
+    def _delta(self, req: InferenceRequest, c) -> Delta:
+        tokens = top = None
+        if req.logprobs:
+            token_text = self.engine.token_text
+            tokens = [token_text(t) for t in c.token_ids]
+            if c.top_logprobs is not None:
+                top = [[(token_text(t), lp) for t, lp in d.items()] for d in c.top_logprobs]
+        return Delta(
+            text=c.text,
+            token_ids=c.token_ids,
+            logprobs=c.logprobs,
+            tokens=tokens,
+            top_logprobs=top,
+            finish_reason=c.finish_reason,
+            prompt_tokens=c.num_prompt_tokens,
+            completion_tokens=c.num_generated_tokens,
+        )
 
     async def generate_full(self, req: InferenceRequest) -> Completion:
         """The whole answer in one reply: one Ray round trip instead of one per delta."""
@@ -160,7 +218,45 @@ class LLMServer:
 
     async def __del__(self):
         self.gpu.stop()
+        self._stats_task.cancel()
         try:
             await self.engine.shutdown()
         except Exception:  # shutting down anyway
             pass
+
+
+class _ReplicaTrace:
+    """Spans of one request inside the replica: llm_server.generate with the
+    engine's queue wait, prefill and decode as children (times as measured)."""
+
+    def __init__(self, tracer, req: InferenceRequest, variant: str):
+        self.tracer = tracer
+        if tracer is None:
+            return
+        self.t0_ns = time.time_ns()
+        self.span = tracer.start_span("llm_server.generate", context=extract(req.trace_context),
+                                      start_time=self.t0_ns)
+        self.span.set_attribute("seekserve.variant", variant)
+        self.first_ns = None
+
+    def _child(self, name: str, start_ns: int, end_ns: int) -> None:
+        from opentelemetry import trace
+
+        s = self.tracer.start_span(name, context=trace.set_span_in_context(self.span), start_time=start_ns)
+        s.end(end_time=max(start_ns, end_ns))
+
+    def first_chunk(self, queue_time_s: float | None) -> None:
+        if self.tracer is None:
+            return
+        self.first_ns = time.time_ns()
+        queue_end = self.t0_ns + int((queue_time_s or 0.0) * 1e9)
+        self._child("engine.queue", self.t0_ns, queue_end)
+        self._child("engine.prefill", queue_end, self.first_ns)
+
+    def end(self) -> None:
+        if self.tracer is None:
+            return
+        now = time.time_ns()
+        if self.first_ns is not None:
+            self._child("engine.decode", self.first_ns, now)
+        self.span.end(end_time=now)

@@ -72,6 +72,8 @@ class EngineChunk:
     finish_reason: str | None
     num_prompt_tokens: int
     num_generated_tokens: int
+    # on the first chunk, where the backend knows it: seconds spent waiting to be scheduled
+    queue_time_s: float | None = None
 
 
 @dataclass

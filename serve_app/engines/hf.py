@@ -56,6 +56,8 @@ class _Seq:
     pend_ids: list = field(default_factory=list)
     pend_lps: list = field(default_factory=list)
     pend_top: list = field(default_factory=list)
+    submitted_s: float = field(default_factory=time.monotonic)
+    queue_time_s: float | None = None
 
     def deliver(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -420,6 +422,9 @@ class HFEngine(Engine):
         return out.logits[:, -1, :]
 
     def _prefill(self, new: list[_Seq]) -> None:
+        now = time.monotonic()
+        for s in new:
+            s.queue_time_s = now - s.submitted_s
         batch, logits = self._prefill_forward([s.req.prompt_token_ids for s in new])
         self._stats.prompt_tokens += sum(len(s.req.prompt_token_ids) for s in new)
         batch.next_tokens = self._sample(logits, new)
@@ -505,8 +510,10 @@ class HFEngine(Engine):
                 finish_reason=finish,
                 num_prompt_tokens=len(seq.req.prompt_token_ids),
                 num_generated_tokens=seq.n_generated,
+                queue_time_s=seq.queue_time_s,
             )
         )
+        seq.queue_time_s = None  # reported once
         seq.pend_ids, seq.pend_lps, seq.pend_top = [], [], []
 
     def _finish(self, seq: _Seq, reason: str) -> None:

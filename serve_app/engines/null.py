@@ -9,6 +9,7 @@ tests without model cost. Its answers mean nothing.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator
 
 from serve_app.errors import ContextLengthExceededError, EngineNotReadyError, OverloadedError
@@ -73,10 +74,12 @@ class NullEngine(Engine):
         n = min(self.options.num_tokens, sp.max_tokens)
         delay = 1.0 / self.options.tokens_per_s if self.options.tokens_per_s > 0 else 0.0
         self._waiting += 1
+        t0 = time.monotonic()
         try:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        queue_time_s = time.monotonic() - t0
         self._running += 1
         self._stats.prompt_tokens += n_prompt
         done = False
@@ -93,7 +96,10 @@ class NullEngine(Engine):
                 self._stats.forward_passes += 1
                 finish = "length" if i == n else None
                 done = finish is not None
-                yield self._chunk(request, [_TOKEN_ID], self.options.token_text, finish, i)
+                chunk = self._chunk(request, [_TOKEN_ID], self.options.token_text, finish, i)
+                if i == 1:
+                    chunk.queue_time_s = queue_time_s
+                yield chunk
         finally:
             if not done:
                 self._stats.aborted_requests += 1

@@ -20,6 +20,7 @@ from ray.serve import exceptions as serve_exceptions
 from rollout.router import Router
 from serve_app.config import AppConfig
 from rollout.signals import RequestTelemetry
+from serve_app import metrics
 from serve_app.errors import (
     EngineError,
     EngineNotReadyError,
@@ -72,6 +73,32 @@ class _NoSpan:
         pass
 
 
+class _Recorded:
+    """The request's span plus its ingress metrics (outcome counter, e2e latency)."""
+
+    def __init__(self, span, model: str, variant: str):
+        self.span, self.model, self.variant = span, model, variant
+        self.t0 = time.monotonic()
+        self.done = False
+
+    def add_logprobs(self, lps) -> None:
+        self.span.add_logprobs(lps)
+
+    def finish(self, status_code: int = 200, error_type: str | None = None, **kw) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.span.finish(status_code=status_code, error_type=error_type, **kw)
+        try:
+            t = metrics.tags(self.model, self.variant)
+            metrics.get("requests").inc(1.0, tags={**t, "status_code": str(status_code),
+                                                   "error_type": error_type or ""})
+            if status_code < 400:
+                metrics.get("e2e").observe(time.monotonic() - self.t0, tags=t)
+        except Exception as e:  # metrics never break serving
+            log.debug("request metrics failed: %s", e)
+
+
 class InferenceCore:
     def __init__(self, config: AppConfig, handles: dict[str, dict[str, object]], router: Router,
                  telemetry: RequestTelemetry | None = None):
@@ -98,10 +125,12 @@ class InferenceCore:
         return variant, self.handles[model][variant]
 
     def _span(self, req: InferenceRequest, variant: str):
-        if self.telemetry is None:
-            return _NoSpan()
-        op = "chat" if req.messages is not None else "text_completion"
-        return self.telemetry.start(op, req.model, variant, req.request_id)
+        span = _NoSpan()
+        if self.telemetry is not None:
+            op = "chat" if req.messages is not None else "text_completion"
+            span = self.telemetry.start(op, req.model, variant, req.request_id)
+            req.trace_context = self.telemetry.context_of(span)
+        return _Recorded(span, req.model, variant)
 
     async def complete(self, req: InferenceRequest, user: str | None = None,
                        override: str | None = None) -> Completion:

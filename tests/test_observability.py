@@ -1,0 +1,154 @@
+"""Metrics through Ray's pipeline into a real Prometheus, alert rules under
+promtool, the Grafana dashboard's queries, and traces joined across the
+ingress and the replica, attributed by `seekserve trace top`."""
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import deploy_app, smol_config, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+PROM_DIR = ROOT / "deploy" / "prometheus"
+
+
+def _tool(name):
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} must be installed in CI (.ci/run installs Debian's prometheus)")
+        pytest.skip(f"{name} is not installed here (apt-get install prometheus)")
+    return path
+
+
+def _metric_names() -> set[str]:
+    from serve_app import metrics
+
+    return {m.info["name"] if hasattr(m, "info") else m._name for m in metrics._m().values()}
+
+
+def test_alert_rules_check_and_unit_tests():
+    promtool = _tool("promtool")
+    check = subprocess.run([promtool, "check", "rules", "rules.yml"], cwd=PROM_DIR, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    unit = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=PROM_DIR, capture_output=True, text=True)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+def test_leak_rule_uses_deriv_on_the_gauge():
+    rules = (PROM_DIR / "rules.yml").read_text()
+    leak = rules[rules.index("SeekserveGPUMemoryLeak"):]
+    leak = leak[:leak.index("- alert:", 10) if "- alert:" in leak[10:] else len(leak)]
+    assert "deriv(seekserve_gpu_memory_used_bytes" in leak and "rate(seekserve_gpu_memory" not in leak
+
+
+def test_dashboard_and_rules_only_query_metrics_we_export():
+    ours = _metric_names()
+    dash = json.loads((ROOT / "deploy" / "grafana" / "seekserve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs.append((PROM_DIR / "rules.yml").read_text())
+    used = set()
+    for e in exprs:
+        for name in re.findall(r"\bseekserve_[a-z_]+", e):
+            used.add(re.sub(r"_(bucket|count|sum)$", "", name))
+    used.discard("seekserve_autoscaler_decisions_total")  # from autoscale/ray_policy.py
+    assert used <= ours | {"seekserve_autoscaler_decisions"}, used - ours
+    titles = {p["title"] for p in dash["panels"]}
+    assert {"Time to first token (SLO 800 ms)", "GPU utilisation", "Rollout weights", "Replicas"} <= titles
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def traced_app(serve_session, tmp_path_factory):
+    trace_file = tmp_path_factory.mktemp("traces") / "traces.jsonl"
+    cfg = smol_config("smol-traced", max_num_seqs=4, max_model_len=1024)
+    cfg["tracing"] = {"exporter": "file", "file_path": str(trace_file)}
+    deploy_app(cfg, name="traced", route_prefix="/traced")
+    base = serve_session["base"] + "/traced"
+    for i in range(3):
+        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": "smol-traced", "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": f"Name {i + 2} colours."}]})
+        assert r.status_code == 200
+    return {"base": base, "trace_file": trace_file}
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_our_series(serve_session, traced_app, tmp_path):
+    prometheus = _tool("prometheus")
+    port = _free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: ray\n    static_configs: [{{targets: ['127.0.0.1:{serve_session['metrics_port']}']}}]\n"
+    )
+    proc = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        api = f"http://127.0.0.1:{port}/api/v1/query"
+
+        def value(q):
+            try:
+                res = httpx.get(api, params={"query": q}, timeout=5).json()["data"]["result"]
+            except (httpx.HTTPError, KeyError, ValueError):
+                return None
+            return res or None
+
+        # Ray's exporter adds the "ray_" prefix and replica / node labels
+        got = wait_for(lambda: value('ray_seekserve_requests_total{model="smol-traced",status_code="200"}'),
+                       timeout_s=90, interval_s=2)
+        assert sum(float(r["value"][1]) for r in got) >= 3
+        ttft = wait_for(lambda: value('sum(ray_seekserve_time_to_first_token_seconds_count{model="smol-traced"})'),
+                        timeout_s=60, interval_s=2)
+        assert float(ttft[0]["value"][1]) >= 3
+        gen = wait_for(lambda: value('sum(ray_seekserve_generation_tokens_total{model="smol-traced"})'),
+                       timeout_s=60, interval_s=2)
+        assert float(gen[0]["value"][1]) >= 3
+        running = wait_for(lambda: value('ray_seekserve_requests_running{model="smol-traced"}'), timeout_s=60,
+                           interval_s=2)
+        assert float(running[0]["value"][1]) == 0.0
+        load = wait_for(lambda: value('ray_seekserve_engine_load_seconds{model="smol-traced"}'), timeout_s=60,
+                        interval_s=2)
+        assert 0 < float(load[0]["value"][1]) < 300
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_one_trace_covers_ingress_and_replica_and_trace_top_attributes_it(traced_app):
+    from serve_app.trace_top import build_trees, read_spans
+
+    path = traced_app["trace_file"]
+    wait_for(lambda: path.exists() and len([s for s in read_spans(path) if s.name == "engine.decode"]) >= 3,
+             timeout_s=30)
+    roots = [r for r in build_trees(read_spans(path)) if r.name.startswith("chat ")]
+    assert len(roots) >= 3
+    for r in roots:
+        (gen,) = [c for c in r.children if c.name == "llm_server.generate"]
+        assert {c.name for c in gen.children} == {"engine.queue", "engine.prefill", "engine.decode"}
+        assert gen.trace_id == r.trace_id and r.start_ns <= gen.start_ns and gen.end_ns <= r.end_ns + 5_000_000
+    out = subprocess.run([sys.executable, "-m", "serve_app.cli", "trace", "top", str(path), "--root", "chat"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"{len(roots)} request(s)")
+    assert len(lines) == 4 and "engine.decode" in out.stdout
+    shares = [float(ln.rsplit(None, 1)[-1].rstrip("%")) for ln in lines[1:]]
+    assert shares == sorted(shares, reverse=True) and sum(shares) <= 100.5
