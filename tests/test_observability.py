@@ -48,7 +48,7 @@ def test_leak_rule_uses_deriv_on_the_gauge():
     rules = (PROM_DIR / "rules.yml").read_text()
     leak = rules[rules.index("SeekserveGPUMemoryLeak"):]
     leak = leak[:leak.index("- alert:", 10) if "- alert:" in leak[10:] else len(leak)]
-    assert "deriv(seekserve_gpu_memory_used_bytes" in leak and "rate(seekserve_gpu_memory" not in leak
+    assert "deriv(ray_seekserve_gpu_memory_used_bytes" in leak and "rate(ray_seekserve_gpu_memory" not in leak
 
 
 def test_dashboard_and_rules_only_query_metrics_we_export():
@@ -58,7 +58,9 @@ def test_dashboard_and_rules_only_query_metrics_we_export():
     exprs.append((PROM_DIR / "rules.yml").read_text())
     used = set()
     for e in exprs:
-        for name in re.findall(r"\bseekserve_[a-z_]+", e):
+        # Ray's exporter prefixes every application metric with "ray_"
+        assert not re.findall(r"(?<![a-z_:])seekserve_[a-z]", e), f"missing ray_ prefix in {e}"
+        for name in re.findall(r"\bray_(seekserve_[a-z0-9_]+)", e):
             used.add(re.sub(r"_(bucket|count|sum)$", "", name))
     used.discard("seekserve_autoscaler_decisions_total")  # from autoscale/ray_policy.py
     assert used <= ours | {"seekserve_autoscaler_decisions"}, used - ours
