@@ -493,8 +493,9 @@ class HFEngine(Engine):
             finish = "length"
         if finish is not None and not stopped:
             text += seq.stops.flush()
-        if text or finish is not None:
-            self._emit(seq, text, finish)
+        # every token goes out, text or not (a held-back or partial character still
+        # counts for TTFT and logprobs); the replica coalesces chunks under load
+        self._emit(seq, text, finish)
         if finish is not None:
             seq.finished = True
             self._by_id.pop(seq.req.request_id, None)
