@@ -127,3 +127,17 @@ def deploy(config: AppConfig, blocking: bool = False):
     check_capacity(config, cluster_node_gpus())
     serve.start(http_options=http_options(config), grpc_options=grpc_options(config))
     return run_app(config, blocking=blocking)
+
+
+def app_builder(args: dict):
+    """Ray Serve application builder for declarative configs (`serve deploy`, KubeRay):
+    ``args: {app_config: {...}}`` inline, or ``args: {config_path: FILE}``."""
+    from serve_app.config import load_config, parse_config
+
+    if "app_config" in args:
+        config = parse_config(args["app_config"])
+    elif "config_path" in args:
+        config = load_config(args["config_path"])
+    else:
+        raise ValueError("app_builder needs args.app_config or args.config_path")
+    return build_app(config)

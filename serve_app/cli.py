@@ -86,6 +86,38 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_cluster_validate(args) -> int:
+    from cluster.launcher import validate_cluster_file
+
+    report = validate_cluster_file(args.file)
+    print(f"{args.file}:")
+    print(report.render())
+    return 1 if report.errors else 0
+
+
+def cmd_cluster_preflight(args) -> int:
+    from cluster.launcher import preflight
+
+    report = preflight(dict(os.environ))
+    print("preflight of this node:")
+    print(report.render())
+    return 1 if report.errors else 0
+
+
+def cmd_deploy(args) -> int:
+    """Deploy (or update in place) the app on a running Ray cluster."""
+    cfg = _load(args.config)
+    import ray
+
+    from serve_app.app import deploy
+
+    ray.init(address=args.address, log_to_driver=False)
+    deploy(cfg)
+    print(f"deployed {args.config}: http://{cfg.server.host}:{cfg.server.http_port}/v1, "
+          f"grpc {cfg.server.host}:{cfg.server.grpc_port}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seekserve", description="Ray Serve LLM serving cluster.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -96,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--detach", action="store_true", help="return once deployed (cluster keeps serving)")
     s.add_argument("--quiet", action="store_true", help="do not stream worker logs to the console")
     s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("deploy", help="deploy or update the app on a running Ray cluster (in place)")
+    d.add_argument("config", help="app config YAML")
+    d.add_argument("--address", default="auto", help="Ray address (default: the running cluster)")
+    d.set_defaults(func=cmd_deploy)
+
+    cl = sub.add_parser("cluster", help="cluster-launcher files and node checks")
+    clsub = cl.add_subparsers(dest="cluster_command", required=True)
+    cv = clsub.add_parser("validate", help="validate a `ray up` file against Ray's schema and seekserve's rules")
+    cv.add_argument("file")
+    cv.set_defaults(func=cmd_cluster_validate)
+    cp = clsub.add_parser("preflight", help="GPUs, driver, NVLink topology, NCCL env and ports of this node")
+    cp.set_defaults(func=cmd_cluster_preflight)
 
     st = sub.add_parser("status", help="replicas, queue, GPU and autoscaler decisions per variant")
     st.add_argument("--address", default="auto", help="Ray address (default: the running cluster)")
