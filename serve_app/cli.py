@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="do not stream worker logs to the console")
     s.set_defaults(func=cmd_serve)
 
+    k = sub.add_parser("keys", help="client API keys")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    kh = ksub.add_parser("hash", help="print the 'name:sha256' line to store for a secret read from stdin")
+    kh.add_argument("name")
+    kh.set_defaults(func=lambda a: print(f"{a.name}:{__import__('serve_app.auth', fromlist=['hash_key']).hash_key(sys.stdin.readline().strip())}") or 0)
+
     d = sub.add_parser("deploy", help="deploy or update the app on a running Ray cluster (in place)")
     d.add_argument("config", help="app config YAML")
     d.add_argument("--address", default="auto", help="Ray address (default: the running cluster)")

@@ -296,6 +296,25 @@ class TracingSettings(StrictModel):
     )
 
 
+class AuthSettings(StrictModel):
+    mode: Literal["off", "api_keys"] = Field(
+        "off", description="'api_keys': every inference call (HTTP and gRPC) needs a valid client key."
+    )
+    api_keys_file: str | None = Field(None, description="File of 'name:sha256hex' lines (keys hashed at rest).")
+    api_keys_env: str | None = Field(
+        "SEEKSERVE_API_KEYS", description="Environment variable with comma-separated 'name:sha256hex' entries."
+    )
+    rate_limit_per_s: float = Field(20.0, gt=0, description="Requests per second per key (token bucket).")
+    burst: int = Field(40, ge=1, description="Requests a key may send at once before the rate applies.")
+    max_concurrent_per_key: int = Field(64, ge=1, description="Requests in flight per key; more get 429.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AuthSettings":
+        if self.mode == "api_keys" and not (self.api_keys_file or self.api_keys_env):
+            raise ValueError("mode 'api_keys' needs api_keys_file or api_keys_env")
+        return self
+
+
 class AdminSettings(StrictModel):
     token_env: str = Field(
         "SEEKSERVE_ADMIN_TOKEN",
@@ -309,6 +328,7 @@ class AppConfig(StrictModel):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Canary rollouts.")
     admin: AdminSettings = Field(default_factory=AdminSettings, description="Admin API access.")
     tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces.")
+    auth: AuthSettings = Field(default_factory=AuthSettings, description="Client API keys and per-key limits.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Timeouts.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="Network endpoints.")

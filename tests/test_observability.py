@@ -112,16 +112,18 @@ def test_prometheus_scrapes_our_series(serve_session, traced_app, tmp_path):
                 return None
             return res or None
 
-        # Ray's exporter adds the "ray_" prefix and replica / node labels
-        got = wait_for(lambda: value('ray_seekserve_requests_total{model="smol-traced",status_code="200"}'),
-                       timeout_s=90, interval_s=2)
-        assert sum(float(r["value"][1]) for r in got) >= 3
-        ttft = wait_for(lambda: value('sum(ray_seekserve_time_to_first_token_seconds_count{model="smol-traced"})'),
-                        timeout_s=60, interval_s=2)
-        assert float(ttft[0]["value"][1]) >= 3
-        gen = wait_for(lambda: value('sum(ray_seekserve_generation_tokens_total{model="smol-traced"})'),
-                       timeout_s=60, interval_s=2)
-        assert float(gen[0]["value"][1]) >= 3
+        # Ray's exporter adds the "ray_" prefix and replica / node labels; its
+        # export runs on an interval, so wait until every request is counted
+        def total(q, at_least):
+            got = value(q)
+            return got if got and sum(float(r["value"][1]) for r in got) >= at_least else None
+
+        wait_for(lambda: total('ray_seekserve_requests_total{model="smol-traced",status_code="200"}', 3),
+                 timeout_s=90, interval_s=2)
+        wait_for(lambda: total('sum(ray_seekserve_time_to_first_token_seconds_count{model="smol-traced"})', 3),
+                 timeout_s=60, interval_s=2)
+        wait_for(lambda: total('sum(ray_seekserve_generation_tokens_total{model="smol-traced"})', 3),
+                 timeout_s=60, interval_s=2)
         running = wait_for(lambda: value('ray_seekserve_requests_running{model="smol-traced"}'), timeout_s=60,
                            interval_s=2)
         assert float(running[0]["value"][1]) == 0.0

@@ -16,6 +16,7 @@ from rollout.controller import RolloutNotFound, get_or_create, read_split
 from rollout.router import Router, TrafficSplit
 from rollout.signals import RequestTelemetry, VariantWindowProcessor
 from serve_app import tracing
+from serve_app.auth import KeyStore
 from rollout.state_machine import RolloutCommandError
 from serve_app.config import format_errors, parse_config
 from serve_app.errors import (
@@ -36,9 +37,19 @@ log = logging.getLogger("seekserve.ingress")
 app = make_app()
 
 
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+]
+
+
 class BodyLimit:
     """Pure ASGI middleware (Starlette's BaseHTTPMiddleware costs a task per
-    request): refuses a declared body over the limit before it is read."""
+    request): refuses a declared body over the limit before it is read, and adds
+    security headers to every response. No CORS middleware is installed, so
+    browsers on other origins are refused by default."""
 
     # set by the Ingress from its config; one ingress app per replica process
     limit_bytes: int = 1 << 20
@@ -56,9 +67,19 @@ class BodyLimit:
                     }}).encode()
                     await send({"type": "http.response.start", "status": 413,
                                 "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode())]})
+                                            (b"content-length", str(len(body)).encode()), *SECURITY_HEADERS]})
                     await send({"type": "http.response.body", "body": body})
                     return
+
+            async def send_with_headers(message):
+                if message["type"] == "http.response.start":
+                    names = {k.lower() for k, _ in message.get("headers", [])}
+                    extra = [(k, v) for k, v in SECURITY_HEADERS if k not in names]
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+                await send(message)
+
+            await self.app(scope, receive, send_with_headers)
+            return
         await self.app(scope, receive, send)
 
 
@@ -79,6 +100,12 @@ class Ingress(GrpcFront):
         )
         self.app_name = serve.get_replica_context().app_name
         self._admin_token = os.environ.get(self.config.admin.token_env) or None
+        self.keys = None
+        if self.config.auth.mode == "api_keys":
+            self.keys = KeyStore.from_settings(self.config.auth)
+            if not self.keys.keys:
+                # refuse to start open when keys are required but none are configured
+                raise RuntimeError("auth.mode is 'api_keys' but no API key is configured")
         self.controller = None
         processors = []
         if self.config.rollout.enabled:
@@ -129,11 +156,11 @@ class Ingress(GrpcFront):
     # ---- OpenAI API -----------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        return await run_request(self.core, request, body, chat=True, check_admin=self.check_admin)
+        return await run_request(self.core, request, body, chat=True, check_admin=self.check_admin, keys=self.keys)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        return await run_request(self.core, request, body, chat=False, check_admin=self.check_admin)
+        return await run_request(self.core, request, body, chat=False, check_admin=self.check_admin, keys=self.keys)
 
     @app.get("/v1/models")
     async def models(self):

@@ -117,20 +117,41 @@ class GrpcFront:
     """Mixed into the ingress deployment: Ray Serve's gRPC proxy calls methods by RPC name."""
 
     core: InferenceCore
+    keys = None
+
+    def _principal(self, grpc_context) -> str | None:
+        """API key from the 'authorization' metadata when keys are required; takes a slot."""
+        if self.keys is None:
+            return None
+        md = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        name = self.keys.authenticate(md.get("authorization"))
+        self.keys.acquire(name)
+        return name
+
+    def _release(self, principal: str | None) -> None:
+        if principal is not None:
+            self.keys.release(principal)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        principal = None
         try:
+            principal = self._principal(grpc_context)
             req, user = to_internal(request, self.core)
             result = await self.core.complete(req, user)
         except Exception as e:
             raise _fail(grpc_context, to_seekserve_error(e)) from e
+        finally:
+            self._release(principal)
         return completion_message(req, result)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator:
+        principal = None
         try:
+            principal = self._principal(grpc_context)
             req, user = to_internal(request, self.core)
             handle = await self.core.stream(req, user)
         except Exception as e:
+            self._release(principal)
             raise _fail(grpc_context, to_seekserve_error(e)) from e
         try:
             yield delta_message(req, handle.first, handle.variant)
@@ -140,6 +161,7 @@ class GrpcFront:
             raise _fail(grpc_context, to_seekserve_error(e)) from e
         finally:
             await handle.rest.aclose()
+            self._release(principal)
 
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check: SERVING when every variant of the service answers.

@@ -77,7 +77,8 @@ def _user_key(request: Request, body_user: str | None) -> str | None:
 OVERRIDE_HEADER = "x-seekserve-variant"
 
 
-async def _sse(core: InferenceCore, req: InferenceRequest, fmt: ChunkFormatter, include_usage: bool, handle):
+async def _sse(core: InferenceCore, req: InferenceRequest, fmt: ChunkFormatter, include_usage: bool, handle,
+               on_end=None):
     def event(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -101,25 +102,38 @@ async def _sse(core: InferenceCore, req: InferenceRequest, fmt: ChunkFormatter, 
         yield event(err.to_body())
     finally:
         await handle.rest.aclose()
+        if on_end is not None:
+            on_end()
     yield "data: [DONE]\n\n"
 
 
-async def run_request(core: InferenceCore, request: Request, body, chat: bool, check_admin=None):
+async def run_request(core: InferenceCore, request: Request, body, chat: bool, check_admin=None, keys=None):
+    """``keys``: a KeyStore when API keys are required (401 without one, 429 over its limits)."""
+    principal = keys.authenticate(request.headers.get("authorization")) if keys is not None else None
     limits = core.config.limits
     req = chat_to_internal(body, limits) if chat else completion_to_internal(body, limits)
     user = _user_key(request, body.user)
     override = request.headers.get(OVERRIDE_HEADER)
     if override is not None and check_admin is not None:
         check_admin(request)  # pinning a variant is for testing, admins only
-    if body.stream:
-        handle = await core.stream(req, user, override)
-        fmt = ChunkFormatter(req, body.model, chat)
-        return StreamingResponse(
-            _sse(core, req, fmt, body.include_usage(), handle),
-            media_type="text/event-stream",
-            headers={VARIANT_HEADER: handle.variant, "Cache-Control": "no-cache"},
-        )
-    result = await core.complete(req, user, override)
+    release = (lambda: keys.release(principal)) if principal is not None else (lambda: None)
+    if principal is not None:
+        keys.acquire(principal)
+    streaming = False
+    try:
+        if body.stream:
+            handle = await core.stream(req, user, override)
+            fmt = ChunkFormatter(req, body.model, chat)
+            streaming = True  # the stream releases the slot when it ends
+            return StreamingResponse(
+                _sse(core, req, fmt, body.include_usage(), handle, on_end=release),
+                media_type="text/event-stream",
+                headers={VARIANT_HEADER: handle.variant, "Cache-Control": "no-cache"},
+            )
+        result = await core.complete(req, user, override)
+    finally:
+        if not streaming:
+            release()
     payload = chat_response(req, result, body.model) if chat else completion_response(req, result, body.model)
     return JSONResponse(payload, headers={VARIANT_HEADER: result.variant})
 
