@@ -11,10 +11,10 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from autoscale.policy import PolicyConfig
 from serve_app._model import StrictModel
@@ -22,6 +22,16 @@ from serve_app.engines.options import MAX_TENSOR_PARALLEL
 from serve_app.engines.registry import UnknownEngineError, options_model_for
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _check_name(v: str) -> str:
+    if not _NAME.match(v):
+        raise ValueError("must be 1-128 of letters, digits, '.', '_' or '-', starting alphanumeric")
+    return v
+
+
+# model and variant names travel in URLs, headers and deployment names
+Name = Annotated[str, AfterValidator(_check_name)]
 
 
 class ConfigError(ValueError):
@@ -132,7 +142,7 @@ class SamplingOverrides(StrictModel):
 
 
 class VariantConfig(StrictModel):
-    name: str = Field(description="Variant name, unique within its model (e.g. stable, canary).")
+    name: Name = Field(description="Variant name, unique within its model (e.g. stable, canary).")
     weight: int = Field(100, ge=0, le=100, description="Share of the model's traffic, percent.")
     engine: EngineSpec = Field(description="Which engine serves this variant, and its options.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) per replica.")
@@ -186,13 +196,6 @@ class VariantConfig(StrictModel):
                 )
         return self
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("must be 1-128 of letters, digits, '.', '_' or '-', starting alphanumeric")
-        return v
-
     def effective_max_ongoing_requests(self) -> int:
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
@@ -201,15 +204,8 @@ class VariantConfig(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    name: str = Field(description="The model name clients send in the 'model' field.")
+    name: Name = Field(description="The model name clients send in the 'model' field.")
     variants: list[VariantConfig] = Field(min_length=1, description="Variants serving this model.")
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("must be 1-128 of letters, digits, '.', '_' or '-', starting alphanumeric")
-        return v
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

@@ -20,20 +20,12 @@ from serve_app.frontend.openai_protocol import (
     CompletionRequest,
     chat_to_internal,
     completion_to_internal,
+    invalid_request,
 )
 from serve_app.internal import Completion, Delta, InferenceRequest
 from serve_app.protos import seekserve_pb2 as pb
 
 log = logging.getLogger("seekserve.grpc")
-
-
-def _validation_error(e: ValidationError) -> InvalidRequestError:
-    msgs, first = [], None
-    for err in e.errors():
-        param = ".".join(str(p) for p in err["loc"]) or None
-        first = first or param
-        msgs.append(f"{param}: {err['msg'].removeprefix('Value error, ')}" if param else err["msg"])
-    return InvalidRequestError("; ".join(msgs), param=first)
 
 
 def to_internal(req: pb.GenerateRequest, core: InferenceCore) -> tuple[InferenceRequest, str | None]:
@@ -63,7 +55,7 @@ def to_internal(req: pb.GenerateRequest, core: InferenceCore) -> tuple[Inference
             internal.max_tokens = None  # gRPC callers get the server default, not OpenAI's legacy 16
         return internal, body.user
     except ValidationError as e:
-        raise _validation_error(e) from e
+        raise invalid_request(e.errors()) from e
 
 
 def _logprobs(tokens, lps, tops) -> list[pb.TokenLogprob]:

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app.errors import InvalidRequestError, SeekserveError
+from serve_app.errors import SeekserveError
 from serve_app.frontend.core import InferenceCore, to_seekserve_error
 from serve_app.frontend.openai_protocol import (
     ChatCompletionRequest,
@@ -20,6 +20,7 @@ from serve_app.frontend.openai_protocol import (
     chat_to_internal,
     completion_response,
     completion_to_internal,
+    invalid_request,
 )
 from serve_app.internal import InferenceRequest
 
@@ -33,11 +34,6 @@ def error_response(err: SeekserveError) -> JSONResponse:
     return JSONResponse(err.to_body(), status_code=err.status_code, headers=err.headers())
 
 
-def _validation_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
-    return ".".join(parts) or None
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SeekserveError)
     async def _seekserve(_: Request, exc: SeekserveError):
@@ -45,16 +41,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        msgs = []
-        for e in errs:
-            param = _validation_param(tuple(e.get("loc", ())))
-            msg = str(e.get("msg", "")).removeprefix("Value error, ")
-            msgs.append(f"{param}: {msg}" if param else msg)
-        return error_response(
-            InvalidRequestError("; ".join(msgs), param=_validation_param(tuple(first.get("loc", ()))))
-        )
+        return error_response(invalid_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

@@ -108,6 +108,17 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+def invalid_request(errors: list[dict]) -> InvalidRequestError:
+    """One 400 naming every bad parameter (``param`` = the first one's dotted path)."""
+    msgs, first = [], None
+    for e in errors:
+        param = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or None
+        first = first or param
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        msgs.append(f"{param}: {msg}" if param else msg)
+    return InvalidRequestError("; ".join(msgs) or "invalid request", param=first)
+
+
 def _check_limits(req: _SamplingFields, max_tokens: int | None, limits: LimitsConfig) -> None:
     if max_tokens is not None and max_tokens > limits.max_tokens_limit:
         raise InvalidRequestError(
