@@ -37,7 +37,7 @@ def render(view: dict) -> str:
         f"Status:    {icon} {s['phase']}",
         f"Message:   {s['message']}",
         f"Step:      {min(s['step_index'], len(p['steps']))}/{len(p['steps'])}",
-        f"Weights:   " + ", ".join(f"{k}={v}%" for k, v in w.items()),
+        "Weights:   " + ", ".join(f"{k}={v}%" for k, v in w.items()),
         "Steps:",
     ]
     for i, step in enumerate(p["steps"]):

@@ -51,7 +51,7 @@ def to_internal(req: pb.GenerateRequest, core: InferenceCore) -> tuple[Inference
             prompt=req.prompt, logprobs=(req.top_logprobs if req.logprobs else None), **common
         )
         internal = completion_to_internal(body, limits)
-        if req.HasField("max_tokens") is False:
+        if not req.HasField("max_tokens"):
             internal.max_tokens = None  # gRPC callers get the server default, not OpenAI's legacy 16
         return internal, body.user
     except ValidationError as e:

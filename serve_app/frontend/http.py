@@ -13,9 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.errors import SeekserveError
 from serve_app.frontend.core import InferenceCore, to_seekserve_error
 from serve_app.frontend.openai_protocol import (
-    ChatCompletionRequest,
     ChunkFormatter,
-    CompletionRequest,
     chat_response,
     chat_to_internal,
     completion_response,
