@@ -117,8 +117,18 @@ class RequestTelemetry:
     def __init__(self, provider: TracerProvider):
         self.tracer = provider.get_tracer("seekserve")
 
-    def start(self, operation: str, model: str, variant: str, request_id: str) -> "RequestSpan":
-        span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.SERVER)
+    def start(self, operation: str, model: str, variant: str, request_id: str,
+              routed_from_ns: int | None = None) -> "RequestSpan":
+        """The request's span; with ``routed_from_ns`` it starts there and gets a
+        ``router.route`` child covering the variant choice."""
+        span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.SERVER, start_time=routed_from_ns)
+        if routed_from_ns is not None:
+            from opentelemetry import trace
+
+            route = self.tracer.start_span("router.route", context=trace.set_span_in_context(span),
+                                           start_time=routed_from_ns)
+            route.set_attribute(VARIANT_ATTR + ".chosen", variant)
+            route.end()
         span.set_attribute("gen_ai.operation.name", operation)
         span.set_attribute("gen_ai.system", "seekserve")
         span.set_attribute("gen_ai.request.model", model)

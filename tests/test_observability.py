@@ -144,6 +144,7 @@ def test_one_trace_covers_ingress_and_replica_and_trace_top_attributes_it(traced
     roots = [r for r in build_trees(read_spans(path)) if r.name.startswith("chat ")]
     assert len(roots) >= 3
     for r in roots:
+        assert sorted(c.name for c in r.children) == ["llm_server.generate", "router.route"]
         (gen,) = [c for c in r.children if c.name == "llm_server.generate"]
         assert {c.name for c in gen.children} == {"engine.queue", "engine.prefill", "engine.decode"}
         assert gen.trace_id == r.trace_id and r.start_ns <= gen.start_ns and gen.end_ns <= r.end_ns + 5_000_000

@@ -124,18 +124,19 @@ class InferenceCore:
             variant = split.pick(user)
         return variant, self.handles[model][variant]
 
-    def _span(self, req: InferenceRequest, variant: str):
+    def _span(self, req: InferenceRequest, variant: str, routed_from_ns: int):
         span = _NoSpan()
         if self.telemetry is not None:
             op = "chat" if req.messages is not None else "text_completion"
-            span = self.telemetry.start(op, req.model, variant, req.request_id)
+            span = self.telemetry.start(op, req.model, variant, req.request_id, routed_from_ns)
             req.trace_context = self.telemetry.context_of(span)
         return _Recorded(span, req.model, variant)
 
     async def complete(self, req: InferenceRequest, user: str | None = None,
                        override: str | None = None) -> Completion:
+        routed_from_ns = time.time_ns()
         variant, handle = self.route(req.model, user, override)
-        span = self._span(req, variant)
+        span = self._span(req, variant, routed_from_ns)
         t = self.config.timeouts
         response = handle.generate_full.remote(req)
         try:
@@ -164,8 +165,9 @@ class InferenceCore:
     async def stream(self, req: InferenceRequest, user: str | None = None,
                      override: str | None = None) -> StreamHandle:
         """Start a stream; admission errors surface here, before any byte is sent."""
+        routed_from_ns = time.time_ns()
         variant, handle = self.route(req.model, user, override)
-        span = self._span(req, variant)
+        span = self._span(req, variant, routed_from_ns)
         t = self.config.timeouts
         deadline = time.monotonic() + t.request_timeout_s
         gen = handle.options(stream=True).generate.remote(req)
