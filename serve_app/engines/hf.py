@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -550,7 +549,3 @@ class HFEngine(Engine):
         for seq in pending:
             seq.finished = True
             seq.deliver(err)
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
