@@ -426,12 +426,13 @@ class HFEngine(Engine):
             s.queue_time_s = now - s.submitted_s
         batch, logits = self._prefill_forward([s.req.prompt_token_ids for s in new])
         self._stats.prompt_tokens += sum(len(s.req.prompt_token_ids) for s in new)
+        # count them as running before their first token goes out to the consumers
+        self._running.extend(new)
         batch.next_tokens = self._sample(logits, new)
         if self._batch is None:
             self._batch = batch
         else:
             self._batch.merge(batch)
-        self._running.extend(new)
         self._drop_finished()
 
     def _decode(self) -> None:
