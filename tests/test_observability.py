@@ -123,9 +123,9 @@ def test_prometheus_scrapes_our_series(serve_session, traced_app, tmp_path):
                  timeout_s=60, interval_s=2)
         wait_for(lambda: total('sum(ray_seekserve_generation_tokens_total{model="smol-traced"})', 3),
                  timeout_s=60, interval_s=2)
-        running = wait_for(lambda: value('ray_seekserve_requests_running{model="smol-traced"}'), timeout_s=60,
-                           interval_s=2)
-        assert float(running[0]["value"][1]) == 0.0
+        # the gauge is exported on Ray's interval: once the requests are done it must come back to 0
+        wait_for(lambda: (v := value('ray_seekserve_requests_running{model="smol-traced"}'))
+                 and float(v[0]["value"][1]) == 0.0, timeout_s=60, interval_s=2)
         load = wait_for(lambda: value('ray_seekserve_engine_load_seconds{model="smol-traced"}'), timeout_s=60,
                         interval_s=2)
         assert 0 < float(load[0]["value"][1]) < 300
