@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 import httpx
 
 
+def percentile(xs, p):
+    """Nearest-rank percentile; NaN for no samples."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
 @dataclass
 class LoadResult:
     concurrency: int
@@ -22,12 +30,6 @@ class LoadResult:
     output_tokens: int = 0
     wall_s: float = 0.0
 
-    def pct(self, xs, p):
-        if not xs:
-            return float("nan")
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
     def summary(self) -> dict:
         return {
             "concurrency": self.concurrency,
@@ -35,11 +37,11 @@ class LoadResult:
             "errors": self.errors,
             "status": self.status,
             "rps": self.requests / self.wall_s if self.wall_s else 0.0,
-            "p50_ms": 1000 * self.pct(self.latencies_s, 50),
-            "p99_ms": 1000 * self.pct(self.latencies_s, 99),
+            "p50_ms": 1000 * percentile(self.latencies_s, 50),
+            "p99_ms": 1000 * percentile(self.latencies_s, 99),
             "mean_ms": 1000 * statistics.fmean(self.latencies_s) if self.latencies_s else float("nan"),
-            "ttft_p50_ms": 1000 * self.pct(self.ttft_s, 50),
-            "ttft_p95_ms": 1000 * self.pct(self.ttft_s, 95),
+            "ttft_p50_ms": 1000 * percentile(self.ttft_s, 50),
+            "ttft_p95_ms": 1000 * percentile(self.ttft_s, 95),
             "output_tok_s": self.output_tokens / self.wall_s if self.wall_s else 0.0,
             "wall_s": self.wall_s,
         }

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import print_table, run_load  # noqa: E402
+from benchmarks.loadgen import percentile, print_table, run_load  # noqa: E402
 
 
 def free_port() -> int:
@@ -61,8 +61,8 @@ async def engine_direct(concurrency: int, n_tokens: int, max_requests: int, dura
         "requests": len(lat),
         "errors": 0,
         "rps": len(lat) / wall,
-        "p50_ms": 1000 * lat[len(lat) // 2],
-        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1)))],
+        "p50_ms": 1000 * percentile(lat, 50),
+        "p99_ms": 1000 * percentile(lat, 99),
     }
 
 
@@ -92,8 +92,7 @@ async def handle_direct(concurrency: int, args) -> dict:
     wall = time.perf_counter() - t0
     lat.sort()
     return {"path": "serve handle (1 hop)", "concurrency": concurrency, "requests": len(lat), "errors": 0,
-            "rps": len(lat) / wall, "p50_ms": 1000 * lat[len(lat) // 2],
-            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1)))]}
+            "rps": len(lat) / wall, "p50_ms": 1000 * percentile(lat, 50), "p99_ms": 1000 * percentile(lat, 99)}
 
 
 def full_stack(args) -> list[dict]:

@@ -27,7 +27,6 @@ from rollout.analysis import Sample, category
 log = logging.getLogger("seekserve.signals")
 
 VARIANT_ATTR = "seekserve.variant"
-SAMPLE_FIELDS = ("t", "latency_ms", "error", "confidence", "category")
 
 
 class SampleWindows:

@@ -86,22 +86,36 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _print_report(title: str, report) -> int:
+    print(title)
+    print(report.render())
+    return 1 if report.errors else 0
+
+
 def cmd_cluster_validate(args) -> int:
     from cluster.launcher import validate_cluster_file
 
-    report = validate_cluster_file(args.file)
-    print(f"{args.file}:")
-    print(report.render())
-    return 1 if report.errors else 0
+    return _print_report(f"{args.file}:", validate_cluster_file(args.file))
 
 
 def cmd_cluster_preflight(args) -> int:
     from cluster.launcher import preflight
 
-    report = preflight(dict(os.environ))
-    print("preflight of this node:")
-    print(report.render())
-    return 1 if report.errors else 0
+    return _print_report("preflight of this node:", preflight(dict(os.environ)))
+
+
+def cmd_keys_hash(args) -> int:
+    from serve_app.auth import hash_key
+
+    print(f"{args.name}:{hash_key(sys.stdin.readline().strip())}")
+    return 0
+
+
+def cmd_trace_top(args) -> int:
+    from serve_app.trace_top import render
+
+    print(render(args.file, args.root, args.k))
+    return 0
 
 
 def cmd_deploy(args) -> int:
@@ -133,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     ksub = k.add_subparsers(dest="keys_command", required=True)
     kh = ksub.add_parser("hash", help="print the 'name:sha256' line to store for a secret read from stdin")
     kh.add_argument("name")
-    kh.set_defaults(func=lambda a: print(f"{a.name}:{__import__('serve_app.auth', fromlist=['hash_key']).hash_key(sys.stdin.readline().strip())}") or 0)
+    kh.set_defaults(func=cmd_keys_hash)
 
     d = sub.add_parser("deploy", help="deploy or update the app on a running Ray cluster (in place)")
     d.add_argument("config", help="app config YAML")
@@ -161,8 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("file")
     top.add_argument("--root", default="", help="root span name prefix, e.g. 'chat'")
     top.add_argument("-k", type=int, default=3)
-    top.set_defaults(func=lambda a: print(__import__("serve_app.trace_top", fromlist=["render"]).render(
-        a.file, a.root, a.k)) or 0)
+    top.set_defaults(func=cmd_trace_top)
 
     from rollout.cli import add_parser as add_rollout_parser
 

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import deploy_app, smol_config, wait_for
+from tests.conftest import _free_port, deploy_app, smol_config, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -65,12 +64,6 @@ def test_dashboard_and_rules_only_query_metrics_we_export():
     assert used <= ours | {"seekserve_autoscaler_decisions"}, used - ours
     titles = {p["title"] for p in dash["panels"]}
     assert {"Time to first token (SLO 800 ms)", "GPU utilisation", "Rollout weights", "Replicas"} <= titles
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
