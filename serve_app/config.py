@@ -250,6 +250,14 @@ class TimeoutsConfig(StrictModel):
         None, gt=0, description="Limit on waiting for the first token; default: request_timeout_s."
     )
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After advertised with 429.")
+    replica_failure_retries: int = Field(
+        2, ge=0, le=5,
+        description="Times a request is re-sent to another replica when its replica dies before the client "
+        "got any token (non-streaming requests, and streams before their first chunk).",
+    )
+    replica_failure_backoff_s: float = Field(
+        0.2, ge=0, le=10, description="Pause before the first re-send; doubled for each later one."
+    )
 
 
 class ServerConfig(StrictModel):

@@ -249,7 +249,10 @@ class Ingress(GrpcFront):
     @app.post("/admin/rollouts/{name}/weights")
     async def rollout_weights(self, name: str, request: Request):
         who = self.check_admin(request)
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise InvalidRequestError(f"the body is not JSON: {e}") from e
         w = body.get("canary_weight") if isinstance(body, dict) else None
         if not isinstance(w, int) or not 0 <= w <= 100:
             raise InvalidRequestError("canary_weight must be an integer 0..100", param="canary_weight")

@@ -54,6 +54,13 @@ def to_seekserve_error(e: BaseException, retry_after_s: float = 1.0) -> Seekserv
     return EngineError(f"{type(e).__name__}: {e}")
 
 
+def replica_lost(e: BaseException) -> bool:
+    """The replica process died or became unreachable (not an error the request caused)."""
+    if isinstance(e, ray_exceptions.RayTaskError) and isinstance(getattr(e, "cause", None), BaseException):
+        return replica_lost(e.cause)
+    return isinstance(e, ray_exceptions.RayActorError)
+
+
 @dataclass
 class StreamHandle:
     variant: str
@@ -138,21 +145,26 @@ class InferenceCore:
         variant, handle = self.route(req.model, user, override)
         span = self._span(req, variant, routed_from_ns)
         t = self.config.timeouts
-        response = handle.generate_full.remote(req)
+        deadline = time.monotonic() + t.request_timeout_s
         try:
-            try:
-                result = await asyncio.wait_for(_await(response), timeout=t.request_timeout_s)
-            except asyncio.TimeoutError:
-                response.cancel()
-                raise RequestTimeoutError(
-                    f"the request did not finish within {t.request_timeout_s:g} s"
-                ) from None
-            except asyncio.CancelledError:
-                response.cancel()
-                span.finish(status_code=CLIENT_CLOSED, error_type="cancelled")
-                raise
-            except Exception as e:
-                raise to_seekserve_error(e, t.retry_after_s) from e
+            for attempt in range(t.replica_failure_retries + 1):
+                response = handle.generate_full.remote(req)
+                try:
+                    result = await asyncio.wait_for(_await(response), timeout=max(0.0, deadline - time.monotonic()))
+                    break
+                except asyncio.TimeoutError:
+                    response.cancel()
+                    raise RequestTimeoutError(
+                        f"the request did not finish within {t.request_timeout_s:g} s"
+                    ) from None
+                except asyncio.CancelledError:
+                    response.cancel()
+                    span.finish(status_code=CLIENT_CLOSED, error_type="cancelled")
+                    raise
+                except Exception as e:
+                    # nothing reached the client yet, so a dead replica's request can be sent again
+                    if not await self._may_retry(e, attempt, deadline, req):
+                        raise to_seekserve_error(e, t.retry_after_s) from e
         except SeekserveError as e:
             span.finish(status_code=e.status_code, error_type=type(e).__name__)
             raise
@@ -162,6 +174,22 @@ class InferenceCore:
                     finish_reason=result.finish_reason)
         return result
 
+    async def _may_retry(self, e: BaseException, attempt: int, deadline: float, req: InferenceRequest) -> bool:
+        t = self.config.timeouts
+        if not replica_lost(e) or attempt >= t.replica_failure_retries:
+            return False
+        pause_s = t.replica_failure_backoff_s * (2 ** attempt)
+        if time.monotonic() + pause_s >= deadline:
+            return False
+        log.warning("request %s: replica lost (%s); re-sending (retry %d of %d)", req.request_id,
+                    type(e).__name__, attempt + 1, t.replica_failure_retries)
+        try:
+            metrics.get("replica_retries").inc(1.0, tags={"model": req.model})
+        except Exception as me:  # metrics never break serving
+            log.debug("retry metric failed: %s", me)
+        await asyncio.sleep(pause_s)
+        return True
+
     async def stream(self, req: InferenceRequest, user: str | None = None,
                      override: str | None = None) -> StreamHandle:
         """Start a stream; admission errors surface here, before any byte is sent."""
@@ -170,22 +198,28 @@ class InferenceCore:
         span = self._span(req, variant, routed_from_ns)
         t = self.config.timeouts
         deadline = time.monotonic() + t.request_timeout_s
-        gen = handle.options(stream=True).generate.remote(req)
         first_timeout = min(t.first_token_timeout_s or t.request_timeout_s, t.request_timeout_s)
+        first_deadline = time.monotonic() + first_timeout
         try:
-            try:
-                first = await asyncio.wait_for(gen.__anext__(), timeout=first_timeout)
-            except asyncio.TimeoutError:
-                gen.cancel()
-                raise RequestTimeoutError(f"no token within {first_timeout:g} s") from None
-            except asyncio.CancelledError:
-                gen.cancel()
-                span.finish(status_code=CLIENT_CLOSED, error_type="cancelled")
-                raise
-            except StopAsyncIteration:
-                raise EngineError("the engine ended the stream without output") from None
-            except Exception as e:
-                raise to_seekserve_error(e, t.retry_after_s) from e
+            for attempt in range(t.replica_failure_retries + 1):
+                gen = handle.options(stream=True).generate.remote(req)
+                try:
+                    first = await asyncio.wait_for(gen.__anext__(),
+                                                   timeout=max(0.0, first_deadline - time.monotonic()))
+                    break
+                except asyncio.TimeoutError:
+                    gen.cancel()
+                    raise RequestTimeoutError(f"no token within {first_timeout:g} s") from None
+                except asyncio.CancelledError:
+                    gen.cancel()
+                    span.finish(status_code=CLIENT_CLOSED, error_type="cancelled")
+                    raise
+                except StopAsyncIteration:
+                    raise EngineError("the engine ended the stream without output") from None
+                except Exception as e:
+                    # no byte has been sent: a dead replica's stream can start again elsewhere
+                    if not await self._may_retry(e, attempt, first_deadline, req):
+                        raise to_seekserve_error(e, t.retry_after_s) from e
         except SeekserveError as e:
             span.finish(status_code=e.status_code, error_type=type(e).__name__)
             raise
