@@ -131,19 +131,19 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated subset of run names")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=128)
+    p.add_argument("--option-timeout-s", type=float, default=150)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     import torch
 
     t0 = time.perf_counter()
-    model = build_model()
+    model = build_model() if args.child else None
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "build_s": time.perf_counter() - t0,
            "runs": []}
     import transformers
 
     res["transformers"] = transformers.__version__
     plan = [
-        ("static_bs1", lambda: static_graph_step(model, 1, args.prompt)),
-        ("static_bs64", lambda: static_graph_step(model, 64, args.prompt)),
         ("cb_default_64", lambda: cb_run(model, "cb defaults", 64, {}, args.prompt, args.output)),
         ("cb_graph_64", lambda: cb_run(model, "cb cuda_graph", 64, {"use_cuda_graph": True}, args.prompt,
                                        args.output)),
@@ -156,22 +156,38 @@ def main() -> None:
         ("cb_graph_async_256", lambda: cb_run(model, "cb cuda_graph+async 256", 256,
                                               {"use_cuda_graph": True, "use_async_batching": True}, args.prompt,
                                               args.output)),
+        ("static_bs1", lambda: static_graph_step(model, 1, args.prompt)),
+        ("static_bs64", lambda: static_graph_step(model, 64, args.prompt)),
     ]
-    only = {s for s in args.only.split(",") if s}
-    for key, fn in plan:
-        if only and key not in only:
-            continue
+    only = [s for s in args.only.split(",") if s] or [k for k, _ in plan]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        fn = dict(plan)[only[0]]
+        r = fn()
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    del model
+    import subprocess
+
+    for key in only:
+        # one process per option: a CUDA fault in one (device asserts are sticky) must not poison the rest
         t1 = time.perf_counter()
-        try:
-            r = fn()
-        except Exception as e:  # one failed option must not hide the others' numbers
-            traceback.print_exc()
-            r = {"name": key, "error": f"{type(e).__name__}: {e}"[:300]}
+        log = out / "gpu_options.log"
+        with log.open("a") as f:
+            f.write(f"\n===== {key}\n")
+            f.flush()
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--child", "--only", key, "--prompt",
+                                       str(args.prompt), "--output", str(args.output), "--out", str(out)],
+                                      stdout=subprocess.PIPE, stderr=f, text=True, timeout=args.option_timeout_s)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                r = json.loads(lines[-1][7:]) if lines else {"name": key, "error": f"exit {proc.returncode}"}
+            except subprocess.TimeoutExpired:
+                r = {"name": key, "error": f"over {args.option_timeout_s} s"}
         r["key"], r["elapsed_s"] = key, time.perf_counter() - t1
         print(json.dumps(r), flush=True)
         res["runs"].append(r)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_options.json").write_text(json.dumps(res, indent=2))
     print(f"\nGPU {res['gpu']}, torch {res['torch']}, transformers {res['transformers']}; floor 3.6 ms/step")
     print(f"{'option':<28}{'tok/s':>9}{'step ms':>9}{'TTFT p50':>10}{'warm-up s':>10}")

@@ -12,11 +12,14 @@ from serve_app.errors import ContextLengthExceededError, OverloadedError
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(embedded_model_dir):
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["dynamic", "static"])
+async def engine(embedded_model_dir, request):
+    # every test runs on both KV caches: transformers' DynamicCache and our static slots
+    # (the static path's CUDA graphs need a GPU; on the CPU the same steps run eagerly)
     eng = create_engine(
         "hf",
-        {"device": "cpu", "max_num_seqs": 16, "max_waiting_requests": 4, "max_model_len": 2048},
+        {"device": "cpu", "max_num_seqs": 16, "max_waiting_requests": 4, "max_model_len": 2048,
+         "kv_cache": request.param},
     )
     await eng.start()
     yield eng
@@ -137,3 +140,34 @@ async def test_waiting_queue_bound_rejects(engine):
             break
         await asyncio.sleep(0.05)
     assert engine.stats().num_waiting == 0
+
+
+async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_model_dir):
+    opts = {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512}
+    dyn = create_engine("hf", {**opts, "kv_cache": "dynamic"})
+    slots = create_engine("hf", {**opts, "kv_cache": "static"})
+    await dyn.start()
+    await slots.start()
+    try:
+        prompts = [dyn.encode_chat([{"role": "user", "content": q}]) for q in
+                   ("What is the capital of France?", "Name three colours.", "Count to five.", "Say hi.")]
+        want = [ids_of(await run(dyn, f"d{i}", p, temperature=0, max_tokens=24)) for i, p in enumerate(prompts)]
+        # the same prompts through the slots, staggered so rows join and leave mid-batch,
+        # next to sampled rows (temperature on the GPU path, seeded top_p on the host path)
+        async def later(i, p):
+            await asyncio.sleep(0.05 * i)
+            return ids_of(await run(slots, f"s{i}", p, temperature=0, max_tokens=24))
+
+        noise = [run(slots, f"n{i}", prompts[i], temperature=1.0, max_tokens=30, ignore_eos=True) for i in range(2)]
+        got, *sampled = await asyncio.gather(asyncio.gather(*[later(i, p) for i, p in enumerate(prompts)]), *noise)
+        assert got == want
+        for chunks in sampled:
+            lps = [x for c in chunks for x in c.logprobs]
+            assert len(ids_of(chunks)) == 30 and all(lp <= 0.0 for lp in lps)
+        seeded = [ids_of(await run(slots, f"seed{i}", prompts[0], temperature=0.8, top_p=0.9, seed=7,
+                                   max_tokens=12)) for i in range(2)]
+        assert seeded[0] == seeded[1]
+        assert slots.stats().num_running == 0 and slots.stats().kv_cache_usage == 0.0
+    finally:
+        await dyn.shutdown()
+        await slots.shutdown()

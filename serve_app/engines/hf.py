@@ -57,9 +57,19 @@ class _Seq:
     pend_top: list = field(default_factory=list)
     submitted_s: float = field(default_factory=time.monotonic)
     queue_time_s: float | None = None
+    slot: int = -1  # static cache: the KV row this sequence owns
+    pos: int = 0  # static cache: tokens of this sequence in its slot
 
-    def deliver(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    @property
+    def fast_sampling(self) -> bool:
+        """Sampled on the GPU without a host round trip (greedy, or plain temperature)."""
+        sp = self.req.sampling
+        return sp.top_logprobs == 0 and (sp.temperature == 0 or (sp.top_p >= 1.0 and sp.seed is None))
+
+
+def _deliver_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class _Batch:
@@ -128,6 +138,10 @@ class HFEngine(Engine):
         self._running: list[_Seq] = []
         self._by_id: dict[str, _Seq] = {}
         self._batch: _Batch | None = None
+        self._slots = None  # SlotDecoder when the static cache is on
+        self._free: list[int] = []
+        self._inflight = None  # the launched, not yet read decode step (static, cuda)
+        self._outbox: list[tuple[_Seq, object]] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._fatal: BaseException | None = None
@@ -189,13 +203,50 @@ class HFEngine(Engine):
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._rng = torch.Generator(device="cpu")
         self._rng.seed()
+        kv = opts.kv_cache if opts.kv_cache != "auto" else ("static" if device == "cuda" else "dynamic")
+        if kv == "static":
+            self._setup_static(device)
         self._warm_up()
         self.load_time_s = time.monotonic() - t0
         log.info("hf engine ready: %s on %s/%s in %.1fs", opts.model, device, dtype_name, self.load_time_s)
 
+    def _setup_static(self, device: str) -> None:
+        import heapq
+
+        from .slot_kv import ATTENTION_NAME, SlotDecoder, register_attention
+
+        opts = self.options
+        register_attention()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        sizes = opts.cuda_graph_batch_sizes or (
+            [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(96, opts.max_num_seqs + 1, 32)))
+        self._slots = SlotDecoder(
+            self.model, opts.max_num_seqs, self._max_model_len, self.dtype, self.device,
+            use_graphs=device == "cuda" and opts.cuda_graphs,
+            batch_sizes=[b for b in sizes if b <= opts.max_num_seqs], span_step=opts.cuda_graph_span_step)
+        self._free = list(range(opts.max_num_seqs))
+        heapq.heapify(self._free)
+        if self._slots.device.type == "cuda":
+            import torch
+
+            # two sets of pinned host buffers: one step's ids in flight while the previous one is read
+            self._host = [(torch.empty(opts.max_num_seqs, dtype=torch.long, pin_memory=True),
+                           torch.empty(opts.max_num_seqs, dtype=torch.float32, pin_memory=True),
+                           torch.cuda.Event()) for _ in range(2)]
+            self._host_turn = 0
+        log.info("static KV cache: %d slots x %d tokens, %.2f GB", opts.max_num_seqs, self._max_model_len,
+                 self._slots.cache.bytes / 1e9)
+
     def _warm_up(self) -> None:
         import torch
 
+        if self._slots is not None:
+            with torch.inference_mode():
+                ids = self.encode_text("Hello")
+                self._slots.prefill([ids], [0], self._pad_id)
+                self._slots.capture()
+            self._stats.forward_passes = 0
+            return
         with torch.inference_mode():
             ids = self.encode_text("Hello")
             batch, logits = self._prefill_forward([ids])
@@ -308,7 +359,10 @@ class HFEngine(Engine):
     def stats(self) -> EngineStats:
         s = self._stats
         batch = self._batch
-        used = int(batch.mask.sum()) if batch is not None else 0
+        if self._slots is not None:
+            used = sum(seq.pos for seq in list(self._running))
+        else:
+            used = int(batch.mask.sum()) if batch is not None else 0
         return EngineStats(
             num_waiting=len(self._inbox) + len(self._waiting),
             num_running=len(self._running),
@@ -333,6 +387,8 @@ class HFEngine(Engine):
                         and not self._aborts
                         and not self._waiting
                         and self._batch is None
+                        and not self._running
+                        and self._inflight is None
                     ):
                         self._cv.wait()
                     if self._stopping:
@@ -347,7 +403,23 @@ class HFEngine(Engine):
                 except Exception as e:  # a failed step fails the batch, not the engine
                     log.exception("engine step failed")
                     self._fail_running(EngineError(f"generation failed: {e}"))
+                self._flush()
         self._fail_all(EngineNotReadyError("engine is shutting down"))
+        self._flush()
+
+    def _flush(self) -> None:
+        """One cross-thread wake-up per event loop per step, not one per token."""
+        if not self._outbox:
+            return
+        by_loop: dict = {}
+        for seq, item in self._outbox:
+            by_loop.setdefault(seq.loop, []).append((seq.queue, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
 
     def _apply_aborts(self, ids: set[str]) -> None:
         for rid in ids:
@@ -359,7 +431,7 @@ class HFEngine(Engine):
         self._waiting = collections.deque(s for s in self._waiting if not s.finished)
         self._drop_finished()
 
-    def _iteration(self) -> None:
+    def _admit(self) -> list[_Seq]:
         new: list[_Seq] = []
         reserved = sum(s.reserved_tokens for s in self._running)
         longest = 0
@@ -375,10 +447,140 @@ class HFEngine(Engine):
             new.append(seq)
             reserved += seq.reserved_tokens
             longest = max(longest, n)
+        return new
+
+    def _iteration(self) -> None:
+        if self._slots is not None:
+            return self._iteration_static()
+        new = self._admit()
         if new:
             self._prefill(new)
         if self._batch is not None:
             self._decode()
+
+    # ---- static slots ------------------------------------------------------
+    def _iteration_static(self) -> None:
+        new = self._admit()
+        if new:
+            self._prefill_static(new)
+        busy = [s for s in self._running if not s.finished]
+        if busy and all(s.fast_sampling for s in busy):
+            launched = self._launch_fast(busy)
+            self._read_inflight()  # the previous step's tokens, read while this one runs
+            self._inflight = launched
+            if self._slots.device.type != "cuda":
+                self._read_inflight()
+            return
+        self._read_inflight()
+        busy = [s for s in self._running if not s.finished]
+        if busy:
+            self._decode_static_sync(busy)
+
+    def _prefill_static(self, new: list[_Seq]) -> None:
+        import heapq
+
+        import torch
+
+        now = time.monotonic()
+        for s in new:
+            s.queue_time_s = now - s.submitted_s
+            s.slot = heapq.heappop(self._free)
+            s.pos = len(s.req.prompt_token_ids)
+        logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
+        self._stats.forward_passes += 1
+        self._stats.prompt_tokens += sum(s.pos for s in new)
+        self._running.extend(new)
+        chosen = self._sample(logits, new).view(-1)
+        slots = torch.tensor([s.slot for s in new], dtype=torch.long).to(self.device)
+        self._slots.tokens.index_copy_(0, slots, chosen)
+        self._slots.positions.index_copy_(0, slots, torch.tensor([s.pos for s in new]).to(self.device))
+        self._slots.active.index_fill_(0, slots, 1)
+        self._drop_finished()
+
+    def _rows_and_span(self, busy: list[_Seq]) -> tuple[int, int]:
+        return max(s.slot for s in busy) + 1, max(s.pos for s in busy) + 1
+
+    def _launch_fast(self, busy: list[_Seq]):
+        """Queue one decode step and its sampling on the GPU; the next step's inputs are
+        written on the device, so nothing waits for the host."""
+        import torch
+
+        rows, span = self._rows_and_span(busy)
+        logits = self._slots.decode(rows, span)[:rows].float()
+        self._stats.forward_passes += 1
+        lse = torch.logsumexp(logits, dim=-1)
+        hot = [s for s in busy if s.req.sampling.temperature > 0]
+        if hot:
+            temps = torch.ones(rows, dtype=torch.float32)
+            greedy = torch.ones(rows, dtype=torch.bool)
+            for s in hot:
+                temps[s.slot] = s.req.sampling.temperature
+                greedy[s.slot] = False
+            temps = temps.to(self.device).unsqueeze(1)
+            greedy = greedy.to(self.device).unsqueeze(1)
+            # Gumbel-max: argmax(logits / T + G) is a draw from softmax(logits / T)
+            gumbel = -torch.empty_like(logits).exponential_().log()
+            chosen = torch.where(greedy, logits, logits / temps + gumbel).argmax(dim=-1)
+        else:
+            chosen = logits.argmax(dim=-1)
+        lp = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
+        self._slots.tokens[:rows].copy_(chosen)
+        self._slots.advance(rows)
+        for s in busy:
+            s.pos += 1
+        if self._slots.device.type == "cuda":
+            host_tok, host_lp, event = self._host[self._host_turn]
+            self._host_turn ^= 1
+            host_tok[:rows].copy_(chosen, non_blocking=True)
+            host_lp[:rows].copy_(lp, non_blocking=True)
+            event.record()
+        else:
+            host_tok, host_lp, event = chosen, lp, None
+        return [(s.slot, s) for s in busy], host_tok, host_lp, event, rows
+
+    def _read_inflight(self) -> None:
+        if self._inflight is None:
+            return
+        snapshot, host_tok, host_lp, event, rows = self._inflight
+        self._inflight = None
+        if event is not None:
+            event.synchronize()
+        toks, lps = host_tok[:rows].tolist(), host_lp[:rows].tolist()
+        for slot, seq in snapshot:
+            if not seq.finished:  # finished a step earlier, or aborted: its extra token is dropped
+                self._on_token(seq, toks[slot], lps[slot], None)
+        self._drop_finished()
+
+    def _decode_static_sync(self, busy: list[_Seq]) -> None:
+        """Sampling that needs the host (seeded, top_p, top_logprobs): one step, then wait."""
+        import torch
+
+        rows, span = self._rows_and_span(busy)
+        logits = self._slots.decode(rows, span)[:rows]
+        self._stats.forward_passes += 1
+        slots = torch.tensor([s.slot for s in busy], dtype=torch.long).to(self.device)
+        chosen = self._sample(logits.index_select(0, slots), busy).view(-1)
+        self._slots.tokens.index_copy_(0, slots, chosen)
+        self._slots.advance(rows)
+        for s in busy:
+            s.pos += 1
+        self._drop_finished()
+
+    def _release(self, seqs: list[_Seq]) -> None:
+        import heapq
+
+        import torch
+
+        freed = [s.slot for s in seqs if s.slot >= 0]
+        if not freed:
+            return
+        idx = torch.tensor(freed, dtype=torch.long).to(self.device)
+        self._slots.active.index_fill_(0, idx, 0)
+        self._slots.positions.index_fill_(0, idx, 0)
+        for s in seqs:
+            if s.slot >= 0:
+                heapq.heappush(self._free, s.slot)
+                s.slot = -1
 
     def _prefill_forward(self, prompts: list[list[int]]):
         import torch
@@ -501,7 +703,7 @@ class HFEngine(Engine):
             self._by_id.pop(seq.req.request_id, None)
 
     def _emit(self, seq: _Seq, text: str, finish: str | None) -> None:
-        seq.deliver(
+        self._outbox.append((seq,
             EngineChunk(
                 request_id=seq.req.request_id,
                 token_ids=seq.pend_ids,
@@ -513,7 +715,7 @@ class HFEngine(Engine):
                 num_generated_tokens=seq.n_generated,
                 queue_time_s=seq.queue_time_s,
             )
-        )
+        ))
         seq.queue_time_s = None  # reported once
         seq.pend_ids, seq.pend_lps, seq.pend_top = [], [], []
 
@@ -524,6 +726,10 @@ class HFEngine(Engine):
 
     def _drop_finished(self) -> None:
         if not any(s.finished for s in self._running):
+            return
+        if self._slots is not None:
+            self._release([s for s in self._running if s.finished])
+            self._running = [s for s in self._running if not s.finished]
             return
         keep = [i for i, s in enumerate(self._running) if not s.finished]
         self._running = [self._running[i] for i in keep]
@@ -537,7 +743,10 @@ class HFEngine(Engine):
             if not seq.finished:
                 seq.finished = True
                 self._by_id.pop(seq.req.request_id, None)
-                seq.deliver(err)
+                self._outbox.append((seq, err))
+        if self._slots is not None:
+            self._inflight = None
+            self._release(self._running)
         self._running = []
         self._batch = None
 
@@ -549,4 +758,4 @@ class HFEngine(Engine):
             self._inbox.clear()
         for seq in pending:
             seq.finished = True
-            seq.deliver(err)
+            self._outbox.append((seq, err))

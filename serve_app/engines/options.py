@@ -55,9 +55,36 @@ class HFEngineOptions(StrictModel):
     num_threads: int | None = Field(
         None, ge=1, le=512, description="torch intra-op threads on cpu; default: all cores."
     )
+    kv_cache: Literal["auto", "dynamic", "static"] = Field(
+        "auto",
+        description="'static': one preallocated KV slot of max_model_len tokens per sequence "
+        "(max_num_seqs x max_model_len tokens of memory), fixed shapes, CUDA-graph decode; 'dynamic': "
+        "transformers' DynamicCache, memory only for tokens in use, no graphs. 'auto': static on cuda, "
+        "dynamic on cpu.",
+    )
+    cuda_graphs: bool = Field(
+        True, description="Capture the static-cache decode step as CUDA graphs (cuda only), before ready."
+    )
+    cuda_graph_batch_sizes: list[int] | None = Field(
+        None,
+        description="Batch sizes to capture; a step pads up to the next one. Default: 1, 2, 4, 8, then "
+        "every 8 up to 64, then every 32 up to max_num_seqs.",
+    )
+    cuda_graph_span_step: int = Field(
+        256, ge=16, le=65536,
+        description="Granularity, in tokens, of the attention spans captured (one graph per batch "
+        "size and span); smaller reads less KV per step but captures more graphs.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "HFEngineOptions":
+        if self.cuda_graph_batch_sizes is not None:
+            bad = [b for b in self.cuda_graph_batch_sizes if not 1 <= b <= self.max_num_seqs]
+            if bad or not self.cuda_graph_batch_sizes:
+                raise ValueError(
+                    f"cuda_graph_batch_sizes must be non-empty, each within 1..max_num_seqs "
+                    f"({self.max_num_seqs}); got {self.cuda_graph_batch_sizes}"
+                )
         if self.max_model_len is not None and self.max_model_len > self.max_kv_tokens:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds max_kv_tokens "
