@@ -16,9 +16,11 @@ from serve_app.config import AppConfig, ConfigError, VariantConfig
 
 def bundles(v: VariantConfig) -> list[dict[str, float]] | None:
     tp = v.tensor_parallel_size
-    if tp == 1:
-        return None
     g = v.resources.num_gpus
+    if tp == 1:
+        # a GPU replica still gets its own placement group: the same path for every GPU size,
+        # and the GPU is reserved before the replica (and its engine) starts
+        return [{"CPU": v.resources.num_cpus, "GPU": g}] if g > 0 else None
     first = {"CPU": v.resources.num_cpus + 1.0, "GPU": g}
     return [first] + [{"CPU": 1.0, "GPU": g} for _ in range(tp - 1)]
 
@@ -62,6 +64,15 @@ def _rank_worker_class():
                     "pid": os.getpid(), "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
 
     return RankWorker
+
+
+def replica_placement() -> dict:
+    """Where the calling actor (a TP=1 replica, which holds its GPU itself) landed."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"rank": 0, "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(), "placement_group": ctx.get_placement_group_id()}
 
 
 def start_rank_workers(tp: int, gpus_per_rank: float, env: dict) -> list:

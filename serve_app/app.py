@@ -54,8 +54,8 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, traci
         max_queued_requests=max_ongoing,
         ray_actor_options={
             "num_cpus": v.resources.num_cpus,
-            # with TP the GPUs belong to the rank bundles, not the replica actor
-            "num_gpus": v.resources.num_gpus if not pg else 0,
+            # with TP the GPUs belong to the rank workers; a TP=1 replica holds its bundle's GPU itself
+            "num_gpus": v.resources.num_gpus if v.tensor_parallel_size == 1 else 0,
         },
         health_check_period_s=10,
         health_check_timeout_s=30,

@@ -19,7 +19,7 @@ from serve_app import metrics
 from autoscale.gpu import GpuUtilSmoother, make_gpu_source
 from autoscale.ray_policy import GPU_METRIC, OCCUPANCY_METRIC, QUEUE_METRIC
 from cluster.nccl import detect
-from cluster.placement import start_rank_workers
+from cluster.placement import replica_placement, start_rank_workers
 from serve_app.config import NcclSpec, TracingSettings
 from serve_app.tracing import extract, make_provider
 from serve_app.engines.base import GenerationRequest, ParallelConfig, SamplingParams
@@ -63,7 +63,8 @@ class LLMServer:
         self.rank_workers = []
         if tp > 1 and not self.engine.places_own_workers:
             self.rank_workers = start_rank_workers(tp, gpus_per_rank, env)
-        self.placement = [await w.info.remote() for w in self.rank_workers]
+        self.placement = ([await w.info.remote() for w in self.rank_workers] if self.rank_workers
+                          else [replica_placement()])
         await self.engine.start()
         self.gpu = GpuUtilSmoother(
             make_gpu_source(gpu_source, lambda: self.engine.stats().num_running > 0),

@@ -59,6 +59,9 @@ class _SamplingFields(_Req):
     user: str | None = Field(None, max_length=256, description="End-user id; keeps a user on one variant.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 is supported.")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 is supported.")
+    ignore_eos: bool | None = Field(
+        None, description="vLLM's extension: keep generating past end-of-sequence (fixed-length benchmarks)."
+    )
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -153,6 +156,7 @@ def chat_to_internal(req: ChatCompletionRequest, limits: LimitsConfig) -> Infere
         stop=req.stops(),
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
+        ignore_eos=bool(req.ignore_eos),
     )
 
 
@@ -183,6 +187,7 @@ def completion_to_internal(req: CompletionRequest, limits: LimitsConfig) -> Infe
         stop=req.stops(),
         logprobs=want,
         top_logprobs=req.logprobs or 0,
+        ignore_eos=bool(req.ignore_eos),
     )
 
 

@@ -1,0 +1,161 @@
+"""The full stack on a GPU: Ray Serve (ingress + one LLMServer replica in its own
+placement group) with the OpenAI HTTP API, driven over loopback with the same
+load as benchmarks/gpu_engine.py, so the two can be compared.
+
+    python benchmarks/gpu_stack.py --tokenizer DIR [--out DIR]
+
+Needs Ray on the machine (benchmarks/ray_bundle.py builds a bundle for the
+device). Reuses the random 7B model directory gpu_engine.py built in the same
+call. If gpu_engine.json is in --out, prints the stack against it: throughput
+ratio (target >= 95 %) and TTFT p50 added (target <= 5 ms). With
+--model/--device cpu it runs the same path on the CPU (a check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_engine import build_model_dir, concurrent_load, engine_options  # noqa: E402
+
+ADMIN_TOKEN = "gpu-stack-bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"ttft_s": None, "tokens": 0, "status": r.status_code}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                return {"ttft_s": None, "tokens": 0, "status": 500}
+            if first is None and obj.get("choices"):
+                first = time.perf_counter() - t0
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+    return {"ttft_s": first, "e2e_s": time.perf_counter() - t0, "tokens": tokens}
+
+
+async def drive(base: str, model: str, args) -> dict:
+    import httpx
+
+    rng = random.Random(0)
+    prompt = lambda: [rng.randrange(1000, 40000) for _ in range(args.prompt)]  # noqa: E731
+    url = f"{base}/v1/completions"
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    out = {}
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await http_one(client, url, model, prompt(), 4)  # connection and first-request warm-up
+        singles = [await http_one(client, url, model, prompt(), args.output) for _ in range(3)]
+        steps = sorted((r["e2e_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in singles)
+        out["single"] = {"decode_step_ms": 1000 * steps[1], "ttft_ms": 1000 * singles[-1]["ttft_s"]}
+        for conc in args.concurrency:
+            out[f"concurrency_{conc}"] = await concurrent_load(
+                lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokenizer", help="tokenizer directory for the random 7B model")
+    p.add_argument("--work", default="/tmp/seekserve-bench")
+    p.add_argument("--model", default=None, help="serve this model instead of the random 7B (e.g. embedded:...)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--output", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
+    args = p.parse_args()
+
+    os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment
+    import httpx
+    import ray
+
+    from serve_app.app import deploy
+    from serve_app.config import parse_config
+
+    res: dict = {}
+    if args.model is None:
+        res["build_model_s"] = build_model_dir(Path(args.work) / "qwen2-7b-random", Path(args.tokenizer))
+        opts = engine_options(Path(args.work) / "qwen2-7b-random")
+    else:
+        opts = {**engine_options(Path("unused")), "model": args.model, "device": args.device,
+                "dtype": "auto", "max_model_len": 1024}
+    if args.device == "cpu":
+        opts.pop("kv_cache")
+    gpus = 1 if args.device == "cuda" else 0
+    ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
+    http_port, grpc_port = _free_port(), _free_port()
+    config = parse_config({
+        "models": [{"name": "bench", "variants": [{
+            "name": "stable", "weight": 100, "engine": {"backend": "hf", "options": opts},
+            "resources": {"num_cpus": 1, "num_gpus": gpus},
+            "max_ongoing_requests": 1024,
+        }]}],
+        "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
+                   "ingress_max_ongoing_requests": 4096},
+        "rollout": {"enabled": False},
+    })
+    t0 = time.perf_counter()
+    deploy(config)  # the operator's path: capacity check, Serve start, placement group per replica
+    res["deploy_ready_s"] = time.perf_counter() - t0
+    base = f"http://127.0.0.1:{http_port}"
+    stats = httpx.get(f"{base}/admin/engine-stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                      timeout=60).json()
+    res["placement"] = stats["bench/stable"].get("placement")
+    res.update(asyncio.run(drive(base, "bench", args)))
+    stats = httpx.get(f"{base}/admin/engine-stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                      timeout=60).json()["bench/stable"]
+    res["engine_forward_passes"] = stats.get("forward_passes")
+    ray.shutdown()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_stack.json").write_text(json.dumps(res, indent=2))
+    alone_path = out / "gpu_engine.json"
+    alone = json.loads(alone_path.read_text()) if alone_path.exists() else None
+    print(f"\nfull stack (Ray Serve, OpenAI HTTP, streaming); ready after {res['deploy_ready_s']:.1f} s; "
+          f"placement {res['placement']}")
+    print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
+    for conc in args.concurrency:
+        c = res[f"concurrency_{conc}"]
+        a = (alone or {}).get(f"concurrency_{conc}", {})
+        ratio = f"  {100 * c['output_tok_s'] / a['output_tok_s']:.0f} % of engine (>= 95 %)" if a else ""
+        print(f"{f'output tok/s at {conc}':<34}{c['output_tok_s']:>10.0f}{a.get('output_tok_s', float('nan')):>10.0f}"
+              f"{ratio}")
+        added = f"  +{c['ttft_p50_ms'] - a['ttft_p50_ms']:.1f} ms (<= 5 ms)" if a else ""
+        print(f"{f'TTFT p50 at {conc} (ms)':<34}{c['ttft_p50_ms']:>10.1f}{a.get('ttft_p50_ms', float('nan')):>10.1f}"
+              f"{added}")
+        print(f"{f'TTFT p95 at {conc} (ms)':<34}{c['ttft_p95_ms']:>10.1f}{a.get('ttft_p95_ms', float('nan')):>10.1f}")
+        if c["failed"]:
+            print(f"  {c['failed']} requests failed")
+    s = res["single"]
+    print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>10.2f}"
+          f"{(alone or {}).get('single', {}).get('decode_step_ms', float('nan')):>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
