@@ -37,14 +37,18 @@ REQUIREMENTS = [
     "opentelemetry-exporter-otlp-proto-http==1.45.2",
     "grpcio-health-checking==1.85.1",
     "gguf==0.19.0",
+    # the image's grpcio 1.84 is older than what grpcio-reflection and our generated stubs require
+    "grpcio==1.85.3",
+    "protobuf",
 ]
 
-# The device image's packages (its KINDS.md, read 2026-11-17): not carried.
+# The device image's packages (its KINDS.md, read 2026-11-17): not carried. grpcio and protobuf
+# are carried anyway (see REQUIREMENTS).
 DEVICE_HAS = set("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
-flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
+flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch h11 h5py hf-xet httpcore httpx
 huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin
 jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax
 llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict
@@ -53,7 +57,7 @@ nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia
 nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13
 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript opencv-python-headless optax
 opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy
-portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing
+portalocker prometheus-client propcache psutil pyarrow pybind11 py-cpuinfo pygments pyparsing
 pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
 python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core
 scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson
