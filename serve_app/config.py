@@ -268,6 +268,12 @@ class ServerConfig(StrictModel):
         2048, ge=1, description="Concurrency cap of each ingress replica."
     )
     ingress_replicas: int = Field(1, ge=1, le=64, description="Ingress replicas.")
+    stream_interval_ms: float = Field(
+        0.0, ge=0, le=1000,
+        description="Streaming pace: after the first chunk, a stream's tokens are sent at most once per "
+        "this interval, merged (vLLM's stream_interval). 0 sends every token as soon as the "
+        "transport is free. 20-50 keeps many fast GPU streams from saturating the serving processes.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ServerConfig":

@@ -47,10 +47,12 @@ class LLMServer:
         lora_adapter: str | None = None,
         sampling: dict | None = None,
         tracing: dict | None = None,
+        stream_interval_s: float = 0.0,
     ):
         self.model_name = model_name
         self.variant = variant
         self.max_tokens_default = max_tokens_default
+        self.stream_interval_s = stream_interval_s
         self.lora_adapter = lora_adapter
         self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         tp = tensor_parallel_size
@@ -115,7 +117,7 @@ class LLMServer:
 
     async def generate(self, req: InferenceRequest) -> AsyncIterator[Delta]:
         """Stream deltas; an admission error is raised before the first one."""
-        async for d in coalesced(self._deltas(req), merge_deltas):
+        async for d in coalesced(self._deltas(req), merge_deltas, self.stream_interval_s):
             yield d
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:

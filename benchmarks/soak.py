@@ -1,0 +1,157 @@
+"""Soak: minutes of mixed streaming / non-streaming load through the full stack,
+on the null engine and on SmolLM2, watching errors, memory and latency drift.
+
+    python benchmarks/soak.py [--minutes 10] [--engines null smollm2] [--concurrency 8]
+
+For each engine: deploy, record the RSS of every Ray process (raylet, GCS,
+Serve controller, proxy, ingress, LLMServer replica, ...), run the load for the
+given time in one-minute windows (half the requests stream), record RSS again.
+Reports per engine: requests, errors, p99 of the first and the last window
+(drift), and the RSS growth of each process. Pass criteria (issue #10): 0
+errors, every process's RSS growth < 5 %. Prints a table last and writes
+results/soak.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.loadgen import percentile, print_table  # noqa: E402
+from benchmarks.serve_overhead import free_port  # noqa: E402
+
+ENGINES = {
+    "null": {"backend": "null", "options": {"num_tokens": 32, "tokens_per_s": 200, "max_num_seqs": 256}},
+    "smollm2": {"backend": "hf", "options": {"model": "embedded:smollm2-135m-instruct", "device": "cpu",
+                                             "max_num_seqs": 16, "max_model_len": 2048}},
+}
+QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
+             "Write a haiku about rain.", "Explain what a CPU does in one sentence."]
+
+
+def ray_process_rss() -> dict[str, int]:
+    """RSS of every Ray process on this machine, keyed by its title (ray::ServeReplica:..., raylet, ...)."""
+    import psutil
+
+    out: dict[str, int] = {}
+    for p in psutil.process_iter(["cmdline", "name"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if not cmd:
+            continue
+        if cmd.startswith("ray::") or "/ray/core/src" in cmd or "ray/_private" in cmd or "ray/dashboard" in cmd:
+            key = cmd.split()[0] if cmd.startswith("ray::") else Path(cmd.split()[0]).name
+            if "ray/_private" in cmd or "ray/dashboard" in cmd:
+                key = next((Path(a).name for a in cmd.split() if a.endswith(".py")), key)
+            try:
+                key = f"{key} (pid {p.pid})"
+                out[key] = p.memory_info().rss
+            except psutil.Error:
+                pass
+    return out
+
+
+async def window(base: str, model: str, concurrency: int, seconds: float, rng: random.Random) -> dict:
+    import httpx
+
+    lat, errors, n = [], 0, 0
+    deadline = time.monotonic() + seconds
+
+    async def worker(client):
+        nonlocal errors, n
+        while time.monotonic() < deadline:
+            stream = rng.random() < 0.5
+            body = {"model": model, "max_tokens": 24, "temperature": 0 if rng.random() < 0.5 else 0.8,
+                    "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], "stream": stream}
+            t0 = time.perf_counter()
+            try:
+                if stream:
+                    ok = False
+                    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith('data: {"error"'):
+                                break
+                            if line == "data: [DONE]":
+                                ok = r.status_code == 200
+                    errors += not ok
+                else:
+                    r = await client.post(f"{base}/v1/chat/completions", json=body)
+                    errors += r.status_code != 200
+                lat.append(time.perf_counter() - t0)
+            except Exception:
+                errors += 1
+            n += 1
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        await asyncio.gather(*[worker(client) for _ in range(concurrency)])
+    return {"requests": n, "errors": errors, "p50_ms": 1000 * percentile(lat, 50),
+            "p99_ms": 1000 * percentile(lat, 99)}
+
+
+def soak_one(name: str, args, port: int) -> dict:
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import parse_config
+
+    cfg = parse_config({"models": [{"name": name, "variants": [{"name": "stable", "engine": ENGINES[name]}]}],
+                        "rollout": {"enabled": False}})
+    serve.run(build_app(cfg), name=f"soak-{name}", route_prefix=f"/{name}")
+    base = f"http://127.0.0.1:{port}/{name}"
+    rng = random.Random(0)
+    asyncio.run(window(base, name, args.concurrency, 10, rng))  # warm-up: lazy imports, caches, first batches
+    rss0 = ray_process_rss()
+    windows = []
+    minutes = max(1, round(args.minutes))
+    for i in range(minutes):
+        w = asyncio.run(window(base, name, args.concurrency, args.minutes * 60 / minutes, rng))
+        print(json.dumps({"engine": name, "window": i, **w}), flush=True)
+        windows.append(w)
+    rss1 = ray_process_rss()
+    serve.delete(f"soak-{name}")
+    growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
+    worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
+    return {"engine": name, "minutes": args.minutes, "requests": sum(w["requests"] for w in windows),
+            "errors": sum(w["errors"] for w in windows), "p99_first_ms": windows[0]["p99_ms"],
+            "p99_last_ms": windows[-1]["p99_ms"], "worst_rss_process": worst[0],
+            "worst_rss_growth_pct": worst[1], "rss_start_mb": {k: v / 1e6 for k, v in rss0.items()},
+            "rss_growth_pct": growth, "windows": windows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--minutes", type=float, default=10.0, help="per engine")
+    p.add_argument("--engines", nargs="+", default=["null", "smollm2"], choices=sorted(ENGINES))
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
+    args = p.parse_args()
+
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    port = free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    rows = [soak_one(name, args, port) for name in args.engines]
+    serve.shutdown()
+    ray.shutdown()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print()
+    print_table(rows, ["engine", "minutes", "requests", "errors", "p99_first_ms", "p99_last_ms",
+                       "worst_rss_process", "worst_rss_growth_pct"])
+    ok = all(r["errors"] == 0 and r["worst_rss_growth_pct"] < 5.0 for r in rows)
+    print("PASS" if ok else "FAIL (errors, or a process grew by 5 % or more)")
+
+
+if __name__ == "__main__":
+    main()

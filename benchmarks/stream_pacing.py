@@ -1,0 +1,78 @@
+"""Many paced streams through the full stack: does the serving path keep up?
+
+    python benchmarks/stream_pacing.py [--streams 32] [--tokens-per-s 50] [--intervals-ms 0 20 50]
+
+The null engine emits each stream's tokens at a fixed rate (like a GPU decoding
+a batch); the load generator holds `--streams` streams open over HTTP. For each
+server.stream_interval_ms the app is redeployed and measured: tokens delivered
+per second (the engine offers streams x tokens_per_s) and TTFT. Prints a table
+last and writes results/stream_pacing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.loadgen import print_table, run_load  # noqa: E402
+from benchmarks.serve_overhead import free_port  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--tokens-per-s", type=float, default=50.0)
+    p.add_argument("--tokens", type=int, default=100)
+    p.add_argument("--duration-s", type=float, default=20.0)
+    p.add_argument("--intervals-ms", type=float, nargs="+", default=[0.0, 20.0, 50.0])
+    p.add_argument("--out", default=str(ROOT / "results" / "stream_pacing.json"))
+    args = p.parse_args()
+
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from serve_app.app import build_app
+    from serve_app.config import parse_config
+
+    port = free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    rows = []
+    for interval in args.intervals_ms:
+        cfg = parse_config({
+            "models": [{"name": "null", "variants": [{"name": "stable", "max_ongoing_requests": 1024, "engine": {
+                "backend": "null", "options": {"num_tokens": args.tokens, "tokens_per_s": args.tokens_per_s,
+                                               "max_num_seqs": 1024}}}]}],
+            "server": {"stream_interval_ms": interval},
+            "rollout": {"enabled": False},
+        })
+        serve.run(build_app(cfg), name="pacing", route_prefix="/")
+        body = {"model": "null", "prompt": "x", "max_tokens": args.tokens}
+        r = asyncio.run(run_load(f"http://127.0.0.1:{port}/v1/completions", body, args.streams,
+                                 max_requests=100_000, max_duration_s=args.duration_s, stream=True,
+                                 warmup_requests=2))
+        s = r.summary()
+        offered = args.streams * args.tokens_per_s
+        rows.append({"stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
+                     "delivered_tok_s": s["output_tok_s"], "delivered_pct": 100 * s["output_tok_s"] / offered,
+                     "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p95_ms": s["ttft_p95_ms"], "errors": s["errors"]})
+        print(json.dumps(rows[-1]), flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print()
+    print_table(rows, ["stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
+                       "ttft_p50_ms", "ttft_p95_ms", "errors"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The replica's stream coalescing and pacing (pure asyncio, no Ray)."""
+
+import asyncio
+import time
+
+import pytest
+
+from serve_app.deployments.coalesce import coalesced
+
+
+async def _ticks(n: int, every_s: float, fail_at: int | None = None):
+    for i in range(n):
+        await asyncio.sleep(every_s)
+        if i == fail_at:
+            raise RuntimeError("engine failed")
+        yield [i]
+
+
+def _merge(items):
+    return [x for it in items for x in it]
+
+
+async def _collect(gen):
+    out = []
+    async for item in gen:
+        out.append((time.monotonic(), item))
+    return out
+
+
+def test_pacing_sends_the_first_token_at_once_then_merges_per_interval():
+    async def main():
+        t0 = time.monotonic()
+        out = await _collect(coalesced(_ticks(40, 0.005), _merge, min_interval_s=0.05))
+        return t0, out
+
+    t0, out = asyncio.run(main())
+    items = [x for _, batch in out for x in batch]
+    assert items == list(range(40))  # nothing lost, order kept
+    assert out[0][1] == [0] and out[0][0] - t0 < 0.04  # first token not held back
+    assert len(out) <= 8, [b for _, b in out]  # 40 tokens over ~0.2 s at most every 50 ms
+    gaps = [b - a for (a, _), (b, _) in zip(out[1:], out[2:])]
+    assert all(g >= 0.045 for g in gaps), gaps
+
+
+def test_without_pacing_every_token_goes_out_when_the_consumer_keeps_up():
+    out = asyncio.run(_collect(coalesced(_ticks(10, 0.005), _merge)))
+    assert [b for _, b in out] == [[i] for i in range(10)]
+
+
+def test_an_error_arrives_after_the_items_before_it():
+    async def main():
+        got = []
+        with pytest.raises(RuntimeError, match="engine failed"):
+            async for batch in coalesced(_ticks(10, 0.002, fail_at=5), _merge, min_interval_s=0.01):
+                got.extend(batch)
+        return got
+
+    assert asyncio.run(main()) == [0, 1, 2, 3, 4]
