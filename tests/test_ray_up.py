@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,8 +74,9 @@ def _user_ray_processes() -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rayup")
+def hosts():
+    # sshd reads authorized_keys as the test user: pytest's own tmp tree is private to root
+    d = Path(tempfile.mkdtemp(prefix="seekserve-rayup-", dir="/tmp"))
     os.chmod(d, 0o755)
     if _run(["id", USER]).returncode != 0:
         _run(["useradd", "-m", "-s", "/bin/bash", USER], check=True)
@@ -110,9 +112,9 @@ def hosts(tmp_path_factory):
     # the local provider keeps its state next to the caller; head and caller share this machine
     state = Path("/tmp/ray")
     state.mkdir(exist_ok=True)
-    for suffix in ("lock", "state"):
+    for suffix, empty in (("lock", ""), ("state", "{}")):
         f = state / f"cluster-{CLUSTER}.{suffix}"
-        f.touch()
+        f.write_text(empty)  # made writable for the head's autoscaler, which runs as the test user
         f.chmod(0o666)
     try:
         yield {"dir": d, "home": home}
@@ -121,6 +123,7 @@ def hosts(tmp_path_factory):
         sshd.wait(10)
         for p in _user_ray_processes():
             p.kill()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _cluster_file(d: Path) -> Path:
@@ -131,16 +134,20 @@ def _cluster_file(d: Path) -> Path:
     cfg["auth"] = {"ssh_user": USER, "ssh_private_key": str(d / "id_ed25519")}
     # offline: nothing to pip-install; check the runtime is there instead
     cfg["setup_commands"] = ["ray --version"]
-    common = f"--num-cpus=1 --temp-dir=/tmp/ray-{USER} --ray-client-server-port=10011"
+    # both "hosts" share this machine (and the test session's own Ray): fixed ports must differ,
+    # and stay outside Ray's worker port range (10002-19999)
+    common = f"--num-cpus=1 --temp-dir=/tmp/ray-{USER}"
     cfg["head_start_ray_commands"] = [
         "ray stop",
-        f"ray start --head --node-ip-address=127.0.0.1 --port={GCS_PORT} --num-gpus=0 --include-dashboard=false "
+        # Ray 2.60's autoscaler v2 never launches the local provider's workers (seen here); v1 does
+        f"RAY_enable_autoscaler_v2=0 ray start --head --node-ip-address=127.0.0.1 --port={GCS_PORT} --num-gpus=0 --include-dashboard=false "
+        f"--ray-client-server-port=20011 --dashboard-port=20012 --dashboard-agent-listen-port=20013 "
         f"{common} --autoscaling-config=~/ray_bootstrap_config.yaml",
     ]
+    # no `ray stop` on the worker: here it is the head's machine and user, and would stop the head
     cfg["worker_start_ray_commands"] = [
-        "ray stop",
         f"NCCL_NVLS_ENABLE=0 ray start --address=127.0.0.1:{GCS_PORT} --node-ip-address=127.0.0.2 --num-gpus=2 "
-        f"{common}",
+        f"--dashboard-agent-listen-port=20023 {common}",
     ]
     path = d / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
