@@ -110,8 +110,12 @@ def soak_one(name: str, args, port: int) -> dict:
     rss0 = ray_process_rss()
     windows = []
     minutes = max(1, round(args.minutes))
+    trend = {k: [v / 1e6] for k, v in rss0.items()}
     for i in range(minutes):
         w = asyncio.run(window(base, name, args.concurrency, args.minutes * 60 / minutes, rng))
+        now = ray_process_rss()
+        for k in trend:  # growth that flattens is allocator warm-up; a steady climb is a leak
+            trend[k].append(now.get(k, 0) / 1e6)
         print(json.dumps({"engine": name, "window": i, **w}), flush=True)
         windows.append(w)
     rss1 = ray_process_rss()
@@ -122,7 +126,7 @@ def soak_one(name: str, args, port: int) -> dict:
             "errors": sum(w["errors"] for w in windows), "p99_first_ms": windows[0]["p99_ms"],
             "p99_last_ms": windows[-1]["p99_ms"], "worst_rss_process": worst[0],
             "worst_rss_growth_pct": worst[1], "rss_start_mb": {k: v / 1e6 for k, v in rss0.items()},
-            "rss_growth_pct": growth, "windows": windows}
+            "rss_growth_pct": growth, "rss_mb_per_window": trend, "windows": windows}
 
 
 def main() -> None:

