@@ -123,21 +123,24 @@ async def run(args) -> dict:
 def graph_replay_ms(slots, reps: int = 30) -> dict:
     """GPU time of one captured decode step alone (no host loop), per batch size, at span 768
     (512 prompt + 128 output rounded up), to split a step's time between GPU and host."""
+    span = next(s for s in slots.spans if s >= 640)
+    return {str(rows): time_replay_ms(slots.graphs[(rows, span)][0], reps, warmup=1) for rows in (1, 8, 32, 64)}
+
+
+def time_replay_ms(graph, reps: int, warmup: int) -> float:
+    """Mean GPU time of one replay of a captured CUDA graph (CUDA events, after warm-up replays)."""
     import torch
 
-    out = {}
-    span = next(s for s in slots.spans if s >= 640)
-    for rows in (1, 8, 32, 64):
-        graph, _ = slots.graphs[(rows, span)]
+    for _ in range(warmup):
         graph.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out[str(rows)] = a.elapsed_time(b) / reps
-    return out
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
 
 
 async def _delayed(fn, i, delay):

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import QWEN7B  # noqa: E402
+from benchmarks.gpu_engine import QWEN7B, time_replay_ms  # noqa: E402
 
 
 def build_model():
@@ -101,18 +101,9 @@ def static_graph_step(model, batch: int, ctx: int) -> dict:
         with torch.cuda.graph(graph):
             out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
             nxt = out.logits[:, -1].argmax(-1)
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        reps = 50
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        graph_ms = a.elapsed_time(b) / reps
+        graph_ms = time_replay_ms(graph, reps=50, warmup=5)
         # the same step eager, for the Python/launch overhead
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(10):
             model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)

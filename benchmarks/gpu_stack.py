@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -27,14 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import build_model_dir, concurrent_load, engine_options  # noqa: E402
+from benchmarks.loadgen import free_port  # noqa: E402
 
 ADMIN_TOKEN = "gpu-stack-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: int) -> dict:
@@ -108,7 +102,7 @@ def main() -> None:
         opts.pop("kv_cache")
     gpus = 1 if args.device == "cuda" else 0
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     config = parse_config({
         "models": [{"name": "bench", "variants": [{
             "name": "stable", "weight": 100, "engine": {"backend": "hf", "options": opts},

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_json(path, obj) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(obj, indent=2))
 
 
 def percentile(xs, p):

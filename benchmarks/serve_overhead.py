@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import percentile, print_table, run_load  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.loadgen import free_port, percentile, print_table, run_load, save_json  # noqa: E402
 
 
 async def engine_direct(concurrency: int, n_tokens: int, max_requests: int, duration_s: float) -> dict:
@@ -207,10 +200,8 @@ def main() -> None:
     extra = {}
     if args.cold_start:
         extra = cold_start(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "cold_start": extra, "args": vars(args),
-                               "env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE")}}, indent=2))
+    save_json(args.out, {"rows": rows, "cold_start": extra, "args": vars(args),
+                         "env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE")}})
     print()
     print_table(rows, ["path", "concurrency", "requests", "errors", "rps", "p50_ms", "p99_ms"])
     if extra:

@@ -25,8 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import percentile, print_table  # noqa: E402
-from benchmarks.serve_overhead import free_port  # noqa: E402
+from benchmarks.loadgen import free_port, percentile, print_table, save_json  # noqa: E402
 
 ENGINES = {
     "null": {"backend": "null", "options": {"num_tokens": 32, "tokens_per_s": 200, "max_num_seqs": 256}},
@@ -147,9 +146,7 @@ def main() -> None:
     rows = [soak_one(name, args, port) for name in args.engines]
     serve.shutdown()
     ray.shutdown()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    save_json(args.out, rows)
     print()
     print_table(rows, ["engine", "minutes", "requests", "errors", "p99_first_ms", "p99_last_ms",
                        "worst_rss_process", "worst_rss_growth_pct"])

@@ -20,8 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import print_table, run_load  # noqa: E402
-from benchmarks.serve_overhead import free_port  # noqa: E402
+from benchmarks.loadgen import free_port, print_table, run_load, save_json  # noqa: E402
 
 
 def main() -> None:
@@ -66,9 +65,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     serve.shutdown()
     ray.shutdown()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    save_json(args.out, rows)
     print()
     print_table(rows, ["stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
                        "ttft_p50_ms", "ttft_p95_ms", "errors"])

@@ -59,19 +59,18 @@ def _rank_worker_class():
             self.rank, self.world_size = rank, world_size
 
         def info(self) -> dict:
-            ctx = ray.get_runtime_context()
-            return {"rank": self.rank, "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                    "pid": os.getpid(), "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+            return {**replica_placement(self.rank),
+                    "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
 
     return RankWorker
 
 
-def replica_placement() -> dict:
-    """Where the calling actor (a TP=1 replica, which holds its GPU itself) landed."""
+def replica_placement(rank: int = 0) -> dict:
+    """Where the calling actor (a TP rank worker, or a TP=1 replica holding its GPU itself) landed."""
     import ray
 
     ctx = ray.get_runtime_context()
-    return {"rank": 0, "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+    return {"rank": rank, "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "pid": os.getpid(), "placement_group": ctx.get_placement_group_id()}
 
 
