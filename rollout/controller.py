@@ -77,7 +77,9 @@ class RolloutController:
     async def tick_all(self, now: float | None = None) -> None:
         async with self._lock:
             now = time.time() if now is None else now
-            for plan, state in self.store.all():
+            rollouts = self.store.all()
+            self._export_all(rollouts)
+            for plan, state in rollouts:
                 if state.phase in TERMINAL and state.scale_down_at_s is None:
                     continue
 
@@ -130,6 +132,23 @@ class RolloutController:
         value = {"weights": w, "version": time.time_ns(), "rollout": plan.name, "phase": state.phase}
         internal_kv._internal_kv_put(split_key(self.app, plan.model), json.dumps(value).encode(),
                                      overwrite=True, namespace=KV_NAMESPACE)
+
+    def _export_all(self, rollouts: list) -> None:
+        """Every rollout's gauges are set again on each tick: a gauge set only once
+        can miss Ray's export for good (the agent also evicts gauges it has not
+        heard of for two export intervals), and a paused rollout changes nothing. A model's
+        weights come from its active rollout, else the one whose step moved last,
+        so a finished rollout never overwrites the live split."""
+        current: dict[str, tuple] = {}
+        for plan, state in rollouts:
+            held = current.get(plan.model)
+            rank = (state.phase not in TERMINAL, state.step_started_s)
+            if held is None or rank > (held[1].phase not in TERMINAL, held[1].step_started_s):
+                current[plan.model] = (plan, state)
+        for plan, state in rollouts:
+            w = (weights(plan, state, self.variants.get(plan.model, []))
+                 if current[plan.model][0].name == plan.name else {})
+            self._export(plan, state, w)
 
     def _export(self, plan: RolloutPlan, state, w: dict[str, int]) -> None:
         try:

@@ -14,6 +14,8 @@ import httpx
 import pytest
 import ray
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from ray import serve
 
 from rollout.controller import NAMESPACE, actor_name
@@ -97,6 +99,20 @@ def plan(name, canary, steps):
             "scale_down_delay_s": 5}
 
 
+def rollout_gauges(metrics_port):
+    """The paused-canary rollout's weight and phase gauges as Ray exports them, or None."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    got = {"weight": {}, "phase": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "ray_seekserve_rollout_weight_percent" and labels.get("model") == MODEL:
+                got["weight"][labels["variant"]] = sample.value
+            elif sample.name == "ray_seekserve_rollout_phase" and labels.get("rollout") == "paused-canary":
+                got["phase"][labels["phase"]] = sample.value
+    return got if len(got["weight"]) == 3 and len(got["phase"]) == 5 else None
+
+
 def wait_phase(base, name, phases, timeout_s):
     return wait_for(lambda: (v := admin(base, "GET", f"/admin/rollouts/{name}").json())["state"]["phase"] in phases
                     and v, timeout_s=timeout_s, interval_s=1.0)
@@ -164,7 +180,7 @@ def test_degraded_canary_is_rolled_back_automatically(ab):
 
 
 @pytest.mark.slow
-def test_controller_killed_mid_canary_resumes_with_the_same_state(ab):
+def test_controller_killed_mid_canary_resumes_with_the_same_state(ab, serve_session):
     r = admin(ab["base"], "POST", "/admin/rollouts", plan("paused-canary", "good", [
         {"set_weight": 20}, {"pause": {}}, {"set_weight": 100}]))
     assert r.status_code == 201, r.text
@@ -176,6 +192,13 @@ def test_controller_killed_mid_canary_resumes_with_the_same_state(ab):
     for key in ("phase", "step_index", "canary_weight"):
         assert after["state"][key] == before["state"][key]
     assert after["weights"] == {"stable": 80, "good": 20, "bad": 0}
+    # a paused rollout changes nothing, yet its gauges stay on Ray's metrics export
+    held = []
+    for _ in range(4):
+        held.append(wait_for(lambda: rollout_gauges(serve_session["metrics_port"]), timeout_s=30))
+        time.sleep(2.5)
+    assert all(g["weight"] == {"stable": 80.0, "good": 20.0, "bad": 0.0} for g in held), held
+    assert all(g["phase"]["Paused"] == 1.0 and g["phase"]["Progressing"] == 0.0 for g in held), held
     # and it still takes commands: promote through the CLI
     out = subprocess.run([sys.executable, "-m", "serve_app.cli", "rollout", "--url", ab["base"], "promote",
                           "paused-canary"], capture_output=True, text=True, timeout=60,

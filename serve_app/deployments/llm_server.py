@@ -78,7 +78,7 @@ class LLMServer:
         if tracing and tracing.get("exporter", "none") != "none":
             settings = TracingSettings.model_validate(tracing)
             self._tracer = make_provider(settings, "seekserve-llm-server").get_tracer("seekserve")
-        metrics.get("load").set(float(getattr(self.engine, "load_time_s", 0.0) or 0.0), tags=self._tags)
+        self._load_time_s = float(getattr(self.engine, "load_time_s", 0.0) or 0.0)
         self._last_counts = (0, 0)
         self._stats_task = asyncio.get_running_loop().create_task(self._export_stats())
         log.info("LLMServer %s/%s ready (backend %s)", model_name, variant, backend)
@@ -125,6 +125,9 @@ class LLMServer:
         while True:
             try:
                 s = self.engine.stats()
+                # a gauge set only once can miss Ray's export for good (CI once saw
+                # this one absent for 60 s), so even this constant is set each tick
+                metrics.get("load").set(self._load_time_s, tags=self._tags)
                 metrics.get("running").set(s.num_running, tags=self._tags)
                 metrics.get("waiting").set(s.num_waiting, tags=self._tags)
                 metrics.get("kv").set(s.kv_cache_usage, tags=self._tags)
