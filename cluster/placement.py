@@ -21,8 +21,10 @@ def bundles(v: VariantConfig) -> list[dict[str, float]] | None:
         # a GPU replica still gets its own placement group: the same path for every GPU size,
         # and the GPU is reserved before the replica (and its engine) starts
         return [{"CPU": v.resources.num_cpus, "GPU": g}] if g > 0 else None
-    first = {"CPU": v.resources.num_cpus + 1.0, "GPU": g}
-    return [first] + [{"CPU": 1.0, "GPU": g} for _ in range(tp - 1)]
+    # a CPU-only TP group (hf on gloo) asks for no GPU key at all
+    gpu = {"GPU": g} if g > 0 else {}
+    first = {"CPU": v.resources.num_cpus + 1.0, **gpu}
+    return [first] + [{"CPU": 1.0, **gpu} for _ in range(tp - 1)]
 
 
 def check_capacity(config: AppConfig, node_gpus: list[float]) -> None:
@@ -62,6 +64,28 @@ def _rank_worker_class():
             return {**replica_placement(self.rank),
                     "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
 
+        def free_address(self) -> str:
+            """host:port for a process group's rendezvous, on this rank's node."""
+            import socket
+
+            ip = ray.util.get_node_ip_address()
+            with socket.socket() as s:
+                s.bind((ip, 0))
+                return f"{ip}:{s.getsockname()[1]}"
+
+        def host(self, factory: str, kwargs: dict) -> None:
+            """Build the engine's per-rank object (``module:Class``) in this worker."""
+            import importlib
+
+            module, _, name = factory.partition(":")
+            self.hosted = getattr(importlib.import_module(module), name)(**kwargs)
+
+        def call(self, method: str, *args):
+            return getattr(self.hosted, method)(*args)
+
+        def ping(self) -> bool:
+            return True
+
     return RankWorker
 
 
@@ -85,6 +109,8 @@ def start_rank_workers(tp: int, gpus_per_rank: float, env: dict) -> list:
     cls = _rank_worker_class()
     return [
         cls.options(
+            # a second thread answers health pings while a long step runs
+            max_concurrency=2,
             num_cpus=1,
             num_gpus=gpus_per_rank,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),

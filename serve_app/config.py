@@ -176,9 +176,16 @@ class VariantConfig(StrictModel):
             raise ValueError(
                 f"tensor_parallel_size {tp}: the {backend!r} backend runs at most {limit} rank(s)"
             )
-        if tp > 1 and self.resources.num_gpus <= 0:
+        cpu_ranks = backend == "hf" and self.engine.options.get("device") == "cpu"
+        if tp > 1 and self.resources.num_gpus <= 0 and not cpu_ranks:
             raise ValueError(
-                f"tensor_parallel_size {tp} needs resources.num_gpus >= 1 (GPUs per rank)"
+                f"tensor_parallel_size {tp} needs resources.num_gpus >= 1 (GPUs per rank), "
+                "or the hf backend with engine.options.device 'cpu' (gloo ranks)"
+            )
+        if tp > 1 and backend == "hf" and self.engine.options.get("kv_cache") == "static":
+            raise ValueError(
+                f"tensor_parallel_size {tp}: the hf backend's static KV cache runs on one rank only; "
+                "use kv_cache 'dynamic' (or 'auto')"
             )
         heads = model_heads(backend, self.engine.options) if tp > 1 else None
         if heads is not None:

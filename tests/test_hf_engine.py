@@ -7,7 +7,7 @@ import pytest_asyncio
 
 from serve_app.engines.base import GenerationRequest, SamplingParams
 from serve_app.engines.registry import create_engine
-from serve_app.errors import ContextLengthExceededError, OverloadedError
+from serve_app.errors import ContextLengthExceededError, EngineError, OverloadedError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -117,6 +117,33 @@ async def test_abort_frees_the_slot(engine):
     s = engine.stats()
     assert s.num_running == 0
     assert s.aborted_requests == aborted_before + 1
+
+
+async def test_a_failed_prefill_fails_its_requests_and_the_engine_goes_on(engine):
+    # a device fault inside transformers' decoder (injected into the model object; both caches call it)
+    model = engine.model.get_decoder()
+    real = model.forward
+    state = {"armed": True}
+
+    def faulty(*args, **kw):
+        ids = kw.get("input_ids")
+        if state["armed"] and ids is not None and ids.shape[-1] > 1:  # the next prefill only
+            state["armed"] = False
+            raise RuntimeError("injected device fault")
+        return real(*args, **kw)
+
+    model.forward = faulty
+    try:
+        ids = engine.encode_chat([{"role": "user", "content": "Say hello."}])
+        with pytest.raises(EngineError, match="injected device fault"):
+            await asyncio.wait_for(run(engine, "faulted", ids, temperature=0, max_tokens=4), 60)
+    finally:
+        model.forward = real
+    assert not state["armed"]
+    chunks = await asyncio.wait_for(run(engine, "after-fault", ids, temperature=0, max_tokens=4), 60)
+    assert chunks[-1].finish_reason in ("stop", "length")
+    s = engine.stats()
+    assert s.num_running == 0 and s.num_waiting == 0
 
 
 async def test_waiting_queue_bound_rejects(engine):

@@ -70,11 +70,24 @@ def test_unplaceable_replica_shows_pending_with_reason(probe):
     assert "to be scheduled" in probe["status_text"]
 
 
-def test_tp_must_divide_heads_and_fit_the_backend():
-    base = {"name": "v", "resources": {"num_gpus": 1},
-            "engine": {"backend": "hf", "options": {"model": "embedded:smollm2-135m-instruct"}}}
-    with pytest.raises(ConfigError, match="runs at most 1 rank"):
-        parse_config({"models": [{"name": "m", "variants": [{**base, "tensor_parallel_size": 3}]}]})
+def test_hf_tp_must_divide_smollm2_heads_and_use_the_dynamic_cache():
+    def variant(tp, gpus=1, **options):
+        return {"name": "v", "tensor_parallel_size": tp, "resources": {"num_gpus": gpus},
+                "engine": {"backend": "hf", "options": {"model": "embedded:smollm2-135m-instruct", **options}}}
+
+    def parse(v):
+        return parse_config({"models": [{"name": "m", "variants": [v]}]})
+
+    parse(variant(3))  # 9 heads, 3 KV heads
+    parse(variant(3, gpus=0, device="cpu"))  # gloo ranks need no GPU
+    with pytest.raises(ConfigError, match="does not divide the model's 9 attention heads and 3 KV heads"):
+        parse(variant(2))
+    with pytest.raises(ConfigError, match="static KV cache runs on one rank only"):
+        parse(variant(3, kv_cache="static"))
+    with pytest.raises(ConfigError, match="num_gpus >= 1"):
+        parse(variant(3, gpus=0))  # device auto: GPU ranks unless it says cpu
+    with pytest.raises(ConfigError, match="tensor_parallel_size: Input should be less than or equal to 64"):
+        parse({**variant(3), "tensor_parallel_size": 65})
 
 
 def test_tp_heads_divisibility_from_the_model_config(tmp_path):

@@ -65,6 +65,7 @@ class LLMServer:
         self.rank_workers = []
         if tp > 1 and not self.engine.places_own_workers:
             self.rank_workers = start_rank_workers(tp, gpus_per_rank, env)
+            self.engine.parallel.rank_workers = self.rank_workers
         self.placement = ([await w.info.remote() for w in self.rank_workers] if self.rank_workers
                           else [replica_placement()])
         await self.engine.start()

@@ -99,6 +99,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     bundle_indices: list[int] = field(default_factory=lambda: [0])
     env: dict[str, str] = field(default_factory=dict)
+    #: Ray actor handles of the rank workers the replica started, one per bundle
+    #: (empty for backends that place their own workers)
+    rank_workers: list = field(default_factory=list)
 
 
 class Engine(abc.ABC):

@@ -33,6 +33,7 @@ from serve_app.errors import (
 )
 
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest
+from .hf_batch import LocalRunner
 from .options import HFEngineOptions
 from .textproc import IncrementalDetokenizer, StopStringFilter
 
@@ -72,61 +73,19 @@ def _deliver_all(items) -> None:
         q.put_nowait(item)
 
 
-class _Batch:
-    """Running rows: a left-padded KV cache, its attention mask and the tokens to feed next."""
+def _generation_config(model_dir):
+    from transformers import GenerationConfig
 
-    def __init__(self, cache, mask, next_tokens):
-        self.cache = cache
-        self.mask = mask  # [B, L] 1 = real token in the cache
-        self.next_tokens = next_tokens  # [B, 1] sampled, not yet in the cache
-
-    @property
-    def size(self) -> int:
-        return int(self.mask.shape[0])
-
-    def _pad_left(self, n: int) -> None:
-        import torch
-        import torch.nn.functional as F
-
-        if n <= 0:
-            return
-        for layer in self.cache.layers:
-            layer.keys = F.pad(layer.keys, (0, 0, n, 0))
-            layer.values = F.pad(layer.values, (0, 0, n, 0))
-        self.mask = torch.cat([self.mask.new_zeros(self.mask.shape[0], n), self.mask], dim=1)
-
-    def merge(self, other: "_Batch") -> None:
-        import torch
-
-        la, lb = self.mask.shape[1], other.mask.shape[1]
-        self._pad_left(lb - la)
-        other._pad_left(la - lb)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
-            mine.values = torch.cat([mine.values, theirs.values], dim=0)
-        self.mask = torch.cat([self.mask, other.mask], dim=0)
-        self.next_tokens = torch.cat([self.next_tokens, other.next_tokens], dim=0)
-
-    def keep(self, rows: list[int]) -> None:
-        import torch
-
-        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.cache.batch_select_indices(idx)
-        self.mask = self.mask.index_select(0, idx)
-        self.next_tokens = self.next_tokens.index_select(0, idx)
-        # drop columns that are padding in every remaining row
-        used = self.mask.sum(dim=0).nonzero()
-        first = int(used[0]) if used.numel() else self.mask.shape[1]
-        if first > 0:
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, first:, :]
-                layer.values = layer.values[:, :, first:, :]
-            self.mask = self.mask[:, first:]
+    try:
+        return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    except OSError:  # no generation_config.json: the tokenizer's EOS is enough
+        return None
 
 
 class HFEngine(Engine):
     name = "hf"
     options_model = HFEngineOptions
+    max_tensor_parallel_size = 64
 
     def __init__(self, options: HFEngineOptions, parallel=None):
         super().__init__(options, parallel)
@@ -137,7 +96,8 @@ class HFEngine(Engine):
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
         self._by_id: dict[str, _Seq] = {}
-        self._batch: _Batch | None = None
+        self._runner = None  # dynamic cache: steps the batch (LocalRunner or TensorParallelRunner)
+        self._next = None  # dynamic cache: [B, 1] sampled tokens, not yet in the cache
         self._slots = None  # SlotDecoder when the static cache is on
         self._free: list[int] = []
         self._inflight = None  # the launched, not yet read decode step (static, cuda)
@@ -171,28 +131,38 @@ class HFEngine(Engine):
             # Ray sets OMP_NUM_THREADS=num_cpus (often 1) in workers; the engine
             # thread is the only heavy compute in this process, so use the cores.
             torch.set_num_threads(os.cpu_count() or 1)
-        device = opts.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise EngineNotReadyError("engine.options.device is 'cuda' but no GPU is visible")
-        dtype_name = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-        self.device = torch.device(device)
-        self.dtype = getattr(torch, dtype_name)
         model_dir = resolve_model_dir(opts.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir,
-            dtype=self.dtype,
-            attn_implementation=opts.attn_implementation,
-            local_files_only=True,
-        ).to(self.device)
-        self.model.eval()
-        cfg = self.model.config
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1:
+            from transformers import AutoConfig
+
+            # the shards live in the rank workers; this process schedules and samples
+            cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+            gen_cfg = _generation_config(model_dir)
+            device, dtype_name = f"{tp} ranks", opts.dtype
+            self.device = torch.device("cpu")
+        else:
+            device = opts.device
+            if device == "auto":
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            if device == "cuda" and not torch.cuda.is_available():
+                raise EngineNotReadyError("engine.options.device is 'cuda' but no GPU is visible")
+            dtype_name = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+            self.device = torch.device(device)
+            self.dtype = getattr(torch, dtype_name)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir,
+                dtype=self.dtype,
+                attn_implementation=opts.attn_implementation,
+                local_files_only=True,
+            ).to(self.device)
+            self.model.eval()
+            cfg, gen_cfg = self.model.config, self.model.generation_config
         model_len = int(getattr(cfg, "max_position_embeddings", 2048))
         self._max_model_len = min(opts.max_model_len or model_len, model_len, opts.max_kv_tokens)
         eos = set()
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        gen_eos = getattr(gen_cfg, "eos_token_id", None)
         for e in (gen_eos if isinstance(gen_eos, list) else [gen_eos]):
             if e is not None:
                 eos.add(int(e))
@@ -203,9 +173,14 @@ class HFEngine(Engine):
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._rng = torch.Generator(device="cpu")
         self._rng.seed()
-        kv = opts.kv_cache if opts.kv_cache != "auto" else ("static" if device == "cuda" else "dynamic")
-        if kv == "static":
+        if tp > 1:
+            from .hf_tp import TensorParallelRunner
+
+            self._runner = TensorParallelRunner(self.parallel, str(model_dir), opts, self._pad_id)
+        elif opts.resolved_kv_cache(device) == "static":
             self._setup_static(device)
+        else:
+            self._runner = LocalRunner(self.model, self.device, self._pad_id)
         self._warm_up()
         self.load_time_s = time.monotonic() - t0
         log.info("hf engine ready: %s on %s/%s in %.1fs", opts.model, device, dtype_name, self.load_time_s)
@@ -248,11 +223,9 @@ class HFEngine(Engine):
             self._stats.forward_passes = 0
             return
         with torch.inference_mode():
-            ids = self.encode_text("Hello")
-            batch, logits = self._prefill_forward([ids])
-            batch.next_tokens = logits.argmax(-1, keepdim=True)
-            self._decode_forward(batch)
-        self._stats.forward_passes = 0
+            logits = self._runner.prefill([self.encode_text("Hello")])
+            self._runner.decode(logits.argmax(-1, keepdim=True))
+            self._runner.clear()
 
     async def shutdown(self) -> None:
         with self._cv:
@@ -267,6 +240,10 @@ class HFEngine(Engine):
             raise EngineNotReadyError("engine is not started")
         if self._fatal is not None or (self._thread is not None and not self._thread.is_alive()):
             raise EngineNotReadyError(f"engine loop died: {self._fatal!r}")
+        if self._runner is not None:
+            await self._runner.check()
+        if self._runner is not None and self._runner.broken is not None:
+            raise EngineNotReadyError(f"engine cannot step its batch: {self._runner.broken}")
 
     @property
     def max_model_len(self) -> int:
@@ -358,11 +335,11 @@ class HFEngine(Engine):
 
     def stats(self) -> EngineStats:
         s = self._stats
-        batch = self._batch
+        running = list(self._running)
         if self._slots is not None:
-            used = sum(seq.pos for seq in list(self._running))
+            used = sum(seq.pos for seq in running)
         else:
-            used = int(batch.mask.sum()) if batch is not None else 0
+            used = sum(len(seq.req.prompt_token_ids) + seq.n_generated for seq in running)
         return EngineStats(
             num_waiting=len(self._inbox) + len(self._waiting),
             num_running=len(self._running),
@@ -386,7 +363,6 @@ class HFEngine(Engine):
                         and not self._inbox
                         and not self._aborts
                         and not self._waiting
-                        and self._batch is None
                         and not self._running
                         and self._inflight is None
                     ):
@@ -455,7 +431,7 @@ class HFEngine(Engine):
         new = self._admit()
         if new:
             self._prefill(new)
-        if self._batch is not None:
+        if self._running:
             self._decode()
 
     # ---- static slots ------------------------------------------------------
@@ -486,10 +462,11 @@ class HFEngine(Engine):
             s.queue_time_s = now - s.submitted_s
             s.slot = heapq.heappop(self._free)
             s.pos = len(s.req.prompt_token_ids)
+        # running before the forward pass: if it fails, they fail with the batch and their slots are freed
+        self._running.extend(new)
         logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
         self._stats.forward_passes += 1
         self._stats.prompt_tokens += sum(s.pos for s in new)
-        self._running.extend(new)
         chosen = self._sample(logits, new).view(-1)
         slots = torch.tensor([s.slot for s in new], dtype=torch.long).to(self.device)
         self._slots.tokens.index_copy_(0, slots, chosen)
@@ -582,64 +559,26 @@ class HFEngine(Engine):
                 heapq.heappush(self._free, s.slot)
                 s.slot = -1
 
-    def _prefill_forward(self, prompts: list[list[int]]):
-        import torch
-        from transformers import DynamicCache
-
-        longest = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), longest), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, longest - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._stats.forward_passes += 1
-        return _Batch(out.past_key_values, mask, None), out.logits[:, -1, :]
-
-    def _decode_forward(self, batch: _Batch):
-        import torch
-
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.size, 1)], dim=1)
-        pos = batch.mask.sum(dim=-1, keepdim=True) - 1
-        out = self.model(
-            input_ids=batch.next_tokens,
-            attention_mask=batch.mask,
-            position_ids=pos,
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        self._stats.forward_passes += 1
-        batch.cache = out.past_key_values
-        return out.logits[:, -1, :]
-
     def _prefill(self, new: list[_Seq]) -> None:
+        import torch
+
         now = time.monotonic()
         for s in new:
             s.queue_time_s = now - s.submitted_s
-        batch, logits = self._prefill_forward([s.req.prompt_token_ids for s in new])
-        self._stats.prompt_tokens += sum(len(s.req.prompt_token_ids) for s in new)
-        # count them as running before their first token goes out to the consumers
+        # running before the forward pass: if it fails, they fail with the batch
+        # (and hear why) instead of being lost between the queue and the batch
         self._running.extend(new)
-        batch.next_tokens = self._sample(logits, new)
-        if self._batch is None:
-            self._batch = batch
-        else:
-            self._batch.merge(batch)
+        logits = self._runner.prefill([s.req.prompt_token_ids for s in new])
+        self._stats.forward_passes += 1
+        self._stats.prompt_tokens += sum(len(s.req.prompt_token_ids) for s in new)
+        chosen = self._sample(logits, new)
+        self._next = chosen if self._next is None else torch.cat([self._next, chosen], dim=0)
         self._drop_finished()
 
     def _decode(self) -> None:
-        logits = self._decode_forward(self._batch)
-        self._batch.next_tokens = self._sample(logits, self._running)
+        logits = self._runner.decode(self._next)
+        self._stats.forward_passes += 1
+        self._next = self._sample(logits, self._running)
         self._drop_finished()
 
     def _sample(self, logits, seqs: list[_Seq]):
@@ -733,10 +672,8 @@ class HFEngine(Engine):
             return
         keep = [i for i, s in enumerate(self._running) if not s.finished]
         self._running = [self._running[i] for i in keep]
-        if not keep:
-            self._batch = None
-        else:
-            self._batch.keep(keep)
+        self._runner.keep(keep)
+        self._next = self._next[keep] if keep else None
 
     def _fail_running(self, err: BaseException) -> None:
         for seq in self._running:
@@ -748,7 +685,9 @@ class HFEngine(Engine):
             self._inflight = None
             self._release(self._running)
         self._running = []
-        self._batch = None
+        self._next = None
+        if self._runner is not None:
+            self._runner.clear()
 
     def _fail_all(self, err: BaseException) -> None:
         self._fail_running(err)

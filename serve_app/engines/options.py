@@ -75,6 +75,11 @@ class HFEngineOptions(StrictModel):
         description="Granularity, in tokens, of the attention spans captured (one graph per batch "
         "size and span); smaller reads less KV per step but captures more graphs.",
     )
+    rank_step_timeout_s: float = Field(
+        300.0, gt=0, le=3600,
+        description="tensor_parallel_size > 1: a step that some rank has not finished in this time "
+        "(it died, or hangs in a collective) fails its requests and marks the replica unhealthy.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "HFEngineOptions":
@@ -91,6 +96,12 @@ class HFEngineOptions(StrictModel):
                 f"({self.max_kv_tokens}): one full-length sequence could never be scheduled"
             )
         return self
+
+    def resolved_kv_cache(self, device: str) -> str:
+        """The cache 'auto' stands for on ``device`` ('cpu' or 'cuda')."""
+        if self.kv_cache != "auto":
+            return self.kv_cache
+        return "static" if device == "cuda" else "dynamic"
 
 
 class NullEngineOptions(StrictModel):
@@ -179,5 +190,5 @@ OPTIONS_BY_BACKEND = {
 }
 
 # Largest tensor_parallel_size each built-in backend runs (checked at config time).
-# hf: single-rank in this version; null: idle rank workers hold the bundles.
-MAX_TENSOR_PARALLEL = {"hf": 1, "null": 64, "trtllm": 64}
+# null: idle rank workers hold the bundles.
+MAX_TENSOR_PARALLEL = {"hf": 64, "null": 64, "trtllm": 64}
