@@ -106,6 +106,9 @@ def soak_one(name: str, args, port: int) -> dict:
     base = f"http://127.0.0.1:{port}/{name}"
     rng = random.Random(0)
     asyncio.run(window(base, name, args.concurrency, 10, rng))  # warm-up: lazy imports, caches, first batches
+    ingress = serve.get_deployment_handle("Ingress", f"soak-{name}")
+    if args.tracemalloc:
+        ingress.memory_mark.remote().result()
     rss0 = ray_process_rss()
     windows = []
     minutes = max(1, round(args.minutes))
@@ -118,6 +121,9 @@ def soak_one(name: str, args, port: int) -> dict:
         print(json.dumps({"engine": name, "window": i, **w}), flush=True)
         windows.append(w)
     rss1 = ray_process_rss()
+    growth_by_line = ingress.memory_growth.remote(20).result() if args.tracemalloc else []
+    for line in growth_by_line:
+        print(f"  ingress {line}", flush=True)
     serve.delete(f"soak-{name}")
     growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
     worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
@@ -125,7 +131,8 @@ def soak_one(name: str, args, port: int) -> dict:
             "errors": sum(w["errors"] for w in windows), "p99_first_ms": windows[0]["p99_ms"],
             "p99_last_ms": windows[-1]["p99_ms"], "worst_rss_process": worst[0],
             "worst_rss_growth_pct": worst[1], "rss_start_mb": {k: v / 1e6 for k, v in rss0.items()},
-            "rss_growth_pct": growth, "rss_mb_per_window": trend, "windows": windows}
+            "rss_growth_pct": growth, "rss_mb_per_window": trend, "windows": windows,
+            "ingress_python_growth": growth_by_line}
 
 
 def main() -> None:
@@ -134,7 +141,13 @@ def main() -> None:
     p.add_argument("--engines", nargs="+", default=["null", "smollm2"], choices=sorted(ENGINES))
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="trace the Ingress's Python allocations (this many frames) and print what grew")
     args = p.parse_args()
+    if args.tracemalloc:
+        import os
+
+        os.environ["SEEKSERVE_TRACEMALLOC"] = str(args.tracemalloc)  # reaches the workers of the local Ray
 
     import ray
     from ray import serve

@@ -58,13 +58,17 @@ class KeyStore:
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
     @classmethod
-    def from_settings(cls, s) -> "KeyStore":
+    def from_settings(cls, s, replicas: int = 1) -> "KeyStore":
+        """With ``replicas`` ingress replicas, each enforces its 1/N share of every
+        per-key limit, so that a key gets at most the configured totals across them
+        (Serve's proxy spreads requests over the replicas; no shared state per request)."""
         text = ""
         if s.api_keys_file:
             text += Path(s.api_keys_file).expanduser().read_text() + "\n"
         if s.api_keys_env and os.environ.get(s.api_keys_env):
             text += os.environ[s.api_keys_env]
-        return cls(parse_key_lines(text), s.rate_limit_per_s, s.burst, s.max_concurrent_per_key)
+        return cls(parse_key_lines(text), s.rate_limit_per_s / replicas, max(1, s.burst // replicas),
+                   max(1, s.max_concurrent_per_key // replicas))
 
     def authenticate(self, authorization: str | None) -> str:
         """The key's name, or UnauthorizedError (401)."""

@@ -356,6 +356,12 @@ class AppConfig(StrictModel):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"duplicate model names: {sorted(dup)}")
+        n, a = self.server.ingress_replicas, self.auth
+        if a.mode == "api_keys" and n > 1 and (a.burst < n or a.max_concurrent_per_key < n):
+            raise ValueError(
+                f"auth: each of the {n} ingress replicas enforces 1/{n} of the per-key limits, so burst "
+                f"({a.burst}) and max_concurrent_per_key ({a.max_concurrent_per_key}) must be at least {n}"
+            )
         return self
 
     def model(self, name: str) -> ModelConfig | None:

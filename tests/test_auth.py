@@ -4,6 +4,7 @@ headers and CORS, on HTTP and gRPC against a real Serve app (null engine)."""
 import grpc
 import httpx
 import pytest
+from ray import serve
 
 from serve_app.auth import KeyStore, hash_key, parse_key_lines
 from serve_app.errors import OverloadedError, UnauthorizedError
@@ -54,6 +55,19 @@ def test_concurrency_cap_and_release():
     assert e.value.code == "concurrency_limit"
     ks.release("alice")
     ks.acquire("alice", now=0.0)
+
+
+def test_limits_are_shared_out_over_ingress_replicas():
+    from serve_app.config import AuthSettings, ConfigError, parse_config
+
+    s = AuthSettings(mode="api_keys", api_keys_env="X", rate_limit_per_s=10, burst=5, max_concurrent_per_key=9)
+    ks = KeyStore.from_settings(s, replicas=2)
+    assert (ks.rate_per_s, ks.burst, ks.max_concurrent) == (5.0, 2, 4)
+    cfg = null_config("m")
+    cfg["auth"] = {"mode": "api_keys", "burst": 2, "max_concurrent_per_key": 8}
+    cfg["server"] = {"ingress_replicas": 3}
+    with pytest.raises(ConfigError, match=r"burst \(2\) and max_concurrent_per_key \(8\) must be at least 3"):
+        parse_config(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +125,26 @@ def test_grpc_needs_a_valid_key(secured):
         time.sleep(5.5)
         r = stub.Generate(req, metadata=md + [("authorization", "Bearer a-secret")], timeout=30)
         assert r.usage.completion_tokens == 2
+
+
+@pytest.fixture(scope="module")
+def two_ingresses(serve_session, tmp_path_factory):
+    keyfile = tmp_path_factory.mktemp("keys2") / "api_keys"
+    keyfile.write_text(f"carol:{hash_key('c-secret')}\n")
+    cfg = null_config("shared", num_tokens=2)
+    # a bucket that does not refill during the test: a key gets its burst in total
+    cfg["auth"] = {"mode": "api_keys", "api_keys_file": str(keyfile), "api_keys_env": None,
+                   "rate_limit_per_s": 0.001, "burst": 4, "max_concurrent_per_key": 8}
+    cfg["server"] = {"ingress_replicas": 2}
+    deploy_app(cfg, name="shared", route_prefix="/shared")
+    yield serve_session["base"] + "/shared"
+    serve.delete("shared")
+
+
+def test_a_keys_burst_holds_across_two_ingress_replicas(two_ingresses):
+    body = {"model": "shared", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    codes = [httpx.post(two_ingresses + "/v1/chat/completions", json=body, timeout=30,
+                        headers={"Authorization": "Bearer c-secret"}).status_code for _ in range(16)]
+    assert set(codes) == {200, 429}, codes
+    # each replica's share is 2: at most 4 in total, not 4 per replica
+    assert 2 <= codes.count(200) <= 4, codes

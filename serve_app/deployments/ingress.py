@@ -91,6 +91,13 @@ _COMMANDS = {"promote": "promote", "promote-full": "promote_full", "abort": "abo
 @serve.ingress(app)
 class Ingress(GrpcFront):
     async def __init__(self, config: dict, handles: dict):
+        # soak diagnostics (benchmarks/soak.py --tracemalloc): Python allocations by line
+        self._memory_mark = None
+        frames = int(os.environ.get("SEEKSERVE_TRACEMALLOC", "0") or 0)
+        if frames > 0:
+            import tracemalloc
+
+            tracemalloc.start(frames)
         self.config = parse_config(config)
         router = Router(
             {
@@ -102,7 +109,7 @@ class Ingress(GrpcFront):
         self._admin_token = os.environ.get(self.config.admin.token_env) or None
         self.keys = None
         if self.config.auth.mode == "api_keys":
-            self.keys = KeyStore.from_settings(self.config.auth)
+            self.keys = KeyStore.from_settings(self.config.auth, replicas=self.config.server.ingress_replicas)
             if not self.keys.keys:
                 # refuse to start open when keys are required but none are configured
                 raise RuntimeError("auth.mode is 'api_keys' but no API key is configured")
@@ -187,6 +194,29 @@ class Ingress(GrpcFront):
     @app.get("/admin/engine-stats")
     async def engine_stats(self):
         return await self._variant_stats(timeout_s=10.0)
+
+    def memory_mark(self) -> bool:
+        """Take the baseline for :meth:`memory_growth` (handle call only, not HTTP)."""
+        import tracemalloc
+
+        if not tracemalloc.is_tracing():
+            return False
+        self._memory_mark = tracemalloc.take_snapshot()
+        return True
+
+    def memory_growth(self, limit: int = 15) -> list[str]:
+        """Python allocations grown since :meth:`memory_mark`, largest first, by traceback."""
+        import tracemalloc
+
+        if self._memory_mark is None:
+            return []
+        now = tracemalloc.take_snapshot()
+        stats = now.compare_to(self._memory_mark, "traceback")
+        out = [f"total traced {sum(s.size for s in now.statistics('filename')) / 1e6:.1f} MB"]
+        for st in stats[:limit]:
+            frames = " <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in st.traceback[:6])
+            out.append(f"{st.size_diff / 1e3:+.1f} kB ({st.count_diff:+d} blocks): {frames}")
+        return out
 
     async def _variant_stats(self, timeout_s: float) -> dict:
         keys, calls = [], []
