@@ -78,7 +78,8 @@ def secured(serve_session, tmp_path_factory):
     cfg["auth"] = {"mode": "api_keys", "api_keys_file": str(keyfile), "api_keys_env": None,
                    "rate_limit_per_s": 0.2, "burst": 3, "max_concurrent_per_key": 8}
     deploy_app(cfg, name="guarded", route_prefix="/guarded")
-    return {"base": serve_session["base"] + "/guarded", "grpc": f"127.0.0.1:{serve_session['grpc_port']}"}
+    yield {"base": serve_session["base"] + "/guarded", "grpc": f"127.0.0.1:{serve_session['grpc_port']}"}
+    serve.delete("guarded")
 
 
 BODY = {"model": "guarded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

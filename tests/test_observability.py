@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ray import serve
 
 from tests.conftest import _free_port, deploy_app, smol_config, wait_for
 
@@ -78,7 +79,8 @@ def traced_app(serve_session, tmp_path_factory):
             "model": "smol-traced", "max_tokens": 12, "temperature": 0,
             "messages": [{"role": "user", "content": f"Name {i + 2} colours."}]})
         assert r.status_code == 200
-    return {"base": base, "trace_file": trace_file}
+    yield {"base": base, "trace_file": trace_file}
+    serve.delete("traced")  # the session's Ray has 8 CPUs for every module's apps
 
 
 @pytest.mark.slow

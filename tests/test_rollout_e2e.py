@@ -56,6 +56,7 @@ def ab(serve_session, tmp_path_factory):
     load.start()
     yield {"base": base, "db": db, "load": load}
     load.stop()
+    serve.delete("ab")  # the session's Ray has 8 CPUs for every module's apps
 
 
 class Load:

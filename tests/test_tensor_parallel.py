@@ -1,7 +1,8 @@
 """hf backend with tensor_parallel_size 3 on a real Ray Serve app: SmolLM2-135M
 (9 attention heads, 3 KV heads) split over three gloo ranks, each a worker in
-the replica's placement group, answers token for token what one rank answers.
-A rank that dies takes its replica out of service and Serve brings up a new one."""
+the replica's placement group, answers token for token what one rank answers
+(the session's TP=1 SmolLM2 app). A rank that dies takes its replica out of
+service and Serve brings up a new one."""
 
 import os
 import signal
@@ -11,7 +12,7 @@ import pytest
 from ray import serve
 
 from serve_app.app import llm_deployment_name
-from tests.conftest import ADMIN_TOKEN, deploy_app, wait_for
+from tests.conftest import deploy_app, wait_for
 
 MODEL = "smol-tp"
 APP = "tp"
@@ -25,28 +26,25 @@ def variant(name, weight, tp):
 
 
 @pytest.fixture(scope="module")
-def tp_app(serve_session):
-    deploy_app({"models": [{"name": MODEL, "variants": [variant("tp1", 100, 1), variant("tp3", 0, 3)]}]},
-               name=APP, route_prefix="/tp")
-    yield serve_session["base"] + "/tp"
+def tp_app(serve_session, smol_app):
+    deploy_app({"models": [{"name": MODEL, "variants": [variant("tp3", 100, 3)]}]}, name=APP, route_prefix="/tp")
+    yield {"tp3": (serve_session["base"] + "/tp", MODEL), "tp1": (smol_app["base"], smol_app["model"])}
     serve.delete(APP)
 
 
-def ask(base, variant_name, question, max_tokens=24):
-    r = httpx.post(base + "/v1/chat/completions", timeout=180,
-                   headers={"x-seekserve-variant": variant_name, "Authorization": f"Bearer {ADMIN_TOKEN}"},
-                   json={"model": MODEL, "temperature": 0, "max_tokens": max_tokens, "logprobs": True,
-                         "messages": [{"role": "user", "content": question}]})
-    return r
+def ask(app, which, question, max_tokens=24):
+    base, model = app[which]
+    return httpx.post(base + "/v1/chat/completions", timeout=180,
+                      json={"model": model, "temperature": 0, "max_tokens": max_tokens, "logprobs": True,
+                            "messages": [{"role": "user", "content": question}]})
 
 
 def tokens(r):
     assert r.status_code == 200, r.text
-    assert r.headers["x-seekserve-variant"] in ("tp1", "tp3")
     return [(t["token"], t["logprob"]) for t in r.json()["choices"][0]["logprobs"]["content"]]
 
 
-def stats(variant_name):
+def stats(variant_name="tp3"):
     return serve.get_deployment_handle(llm_deployment_name(MODEL, variant_name), APP).stats.remote().result()
 
 
