@@ -10,6 +10,11 @@ Reports per engine: requests, errors, p99 of the first and the last window
 (drift), and the RSS growth of each process. Pass criteria (issue #10): 0
 errors, every process's RSS growth < 5 %. Prints a table last and writes
 results/soak.json.
+
+Ray starts with MALLOC_ARENA_MAX=2, as cluster.yaml's ``ray start`` lines do:
+glibc's per-thread arenas otherwise keep growing RSS for minutes in Ray's
+many-threaded workers (Ingress +6.7 % in 10 min without it, while tracemalloc
+showed its Python heap flat). ``--malloc-arena-max 0`` measures without it.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ def ray_process_rss() -> dict[str, int]:
             continue
         if cmd.startswith("ray::") or "/ray/core/src" in cmd or "ray/_private" in cmd or "ray/dashboard" in cmd:
             key = cmd.split()[0] if cmd.startswith("ray::") else Path(cmd.split()[0]).name
-            if "ray/_private" in cmd or "ray/dashboard" in cmd:
+            # Python daemons are named by their script; the raylet's own command line
+            # also names a script (its worker command), so binaries keep their name
+            if key.startswith("python") and ("ray/_private" in cmd or "ray/dashboard" in cmd):
                 key = next((Path(a).name for a in cmd.split() if a.endswith(".py")), key)
             try:
                 key = f"{key} (pid {p.pid})"
@@ -127,7 +134,8 @@ def soak_one(name: str, args, port: int) -> dict:
     serve.delete(f"soak-{name}")
     growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
     worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
-    return {"engine": name, "minutes": args.minutes, "requests": sum(w["requests"] for w in windows),
+    return {"engine": name, "minutes": args.minutes, "malloc_arena_max": args.malloc_arena_max or None,
+            "requests": sum(w["requests"] for w in windows),
             "errors": sum(w["errors"] for w in windows), "p99_first_ms": windows[0]["p99_ms"],
             "p99_last_ms": windows[-1]["p99_ms"], "worst_rss_process": worst[0],
             "worst_rss_growth_pct": worst[1], "rss_start_mb": {k: v / 1e6 for k, v in rss0.items()},
@@ -141,13 +149,20 @@ def main() -> None:
     p.add_argument("--engines", nargs="+", default=["null", "smollm2"], choices=sorted(ENGINES))
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
+    p.add_argument("--malloc-arena-max", type=int, default=2,
+                   help="MALLOC_ARENA_MAX for every Ray process, as cluster.yaml's ray start sets it (0: unset)")
     p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                    help="trace the Ingress's Python allocations (this many frames) and print what grew")
     args = p.parse_args()
-    if args.tracemalloc:
-        import os
+    import os
 
-        os.environ["SEEKSERVE_TRACEMALLOC"] = str(args.tracemalloc)  # reaches the workers of the local Ray
+    # both reach every process of the local Ray started below
+    if args.tracemalloc:
+        os.environ["SEEKSERVE_TRACEMALLOC"] = str(args.tracemalloc)
+    if args.malloc_arena_max:
+        os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
+    else:
+        os.environ.pop("MALLOC_ARENA_MAX", None)
 
     import ray
     from ray import serve
