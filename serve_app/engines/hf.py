@@ -11,6 +11,11 @@ continuous-batching scheme of Orca / TGI, on transformers' ``DynamicCache``.
 
 Sampling is per request (temperature, top_p, seed) on the batch's logits.
 Logprobs are of the model's unmodified distribution.
+
+The forward passes of the dynamic cache go through a runner
+(:mod:`serve_app.engines.hf_batch`): the model in this process, or with
+tensor_parallel_size > 1 one shard per rank worker (:mod:`serve_app.engines.hf_tp`);
+scheduling, sampling and detokenizing stay here either way.
 """
 
 from __future__ import annotations
