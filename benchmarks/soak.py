@@ -51,7 +51,8 @@ def ray_process_rss() -> dict[str, int]:
         if not cmd:
             continue
         if cmd.startswith("ray::") or "/ray/core/src" in cmd or "ray/_private" in cmd or "ray/dashboard" in cmd:
-            key = cmd.split()[0] if cmd.startswith("ray::") else Path(cmd.split()[0]).name
+            # an actor's title names the method it runs (ray::ServeController.listen_for_change): drop it
+            key = cmd.split()[0].split(".")[0] if cmd.startswith("ray::") else Path(cmd.split()[0]).name
             # Python daemons are named by their script; the raylet's own command line
             # also names a script (its worker command), so binaries keep their name
             if key.startswith("python") and ("ray/_private" in cmd or "ray/dashboard" in cmd):
