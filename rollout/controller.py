@@ -139,15 +139,11 @@ class RolloutController:
         heard of for two export intervals), and a paused rollout changes nothing. A model's
         weights come from its active rollout, else the one whose step moved last,
         so a finished rollout never overwrites the live split."""
-        current: dict[str, tuple] = {}
+        current: dict[str, str] = {}  # model -> name of the rollout its weights come from
+        for plan, state in sorted(rollouts, key=lambda r: (r[1].phase not in TERMINAL, r[1].step_started_s)):
+            current[plan.model] = plan.name
         for plan, state in rollouts:
-            held = current.get(plan.model)
-            rank = (state.phase not in TERMINAL, state.step_started_s)
-            if held is None or rank > (held[1].phase not in TERMINAL, held[1].step_started_s):
-                current[plan.model] = (plan, state)
-        for plan, state in rollouts:
-            w = (weights(plan, state, self.variants.get(plan.model, []))
-                 if current[plan.model][0].name == plan.name else {})
+            w = weights(plan, state, self.variants.get(plan.model, [])) if current[plan.model] == plan.name else {}
             self._export(plan, state, w)
 
     def _export(self, plan: RolloutPlan, state, w: dict[str, int]) -> None:

@@ -70,14 +70,21 @@ def test_limits_are_shared_out_over_ingress_replicas():
         parse_config(cfg)
 
 
+def keyed_app(tmp_path_factory, name, key_line, num_tokens, server=None, **limits):
+    """Deploy a null-engine app (model = app = route name) that needs the one key in ``key_line``."""
+    keyfile = tmp_path_factory.mktemp(f"keys-{name}") / "api_keys"
+    keyfile.write_text(key_line + "\n")
+    cfg = null_config(name, num_tokens=num_tokens)
+    cfg["auth"] = {"mode": "api_keys", "api_keys_file": str(keyfile), "api_keys_env": None, **limits}
+    if server:
+        cfg["server"] = server
+    deploy_app(cfg, name=name, route_prefix=f"/{name}")
+
+
 @pytest.fixture(scope="module")
 def secured(serve_session, tmp_path_factory):
-    keyfile = tmp_path_factory.mktemp("keys") / "api_keys"
-    keyfile.write_text(f"alice:{hash_key('a-secret')}\n")
-    cfg = null_config("guarded", num_tokens=4)
-    cfg["auth"] = {"mode": "api_keys", "api_keys_file": str(keyfile), "api_keys_env": None,
-                   "rate_limit_per_s": 0.2, "burst": 3, "max_concurrent_per_key": 8}
-    deploy_app(cfg, name="guarded", route_prefix="/guarded")
+    keyed_app(tmp_path_factory, "guarded", f"alice:{hash_key('a-secret')}", 4,
+              rate_limit_per_s=0.2, burst=3, max_concurrent_per_key=8)
     yield {"base": serve_session["base"] + "/guarded", "grpc": f"127.0.0.1:{serve_session['grpc_port']}"}
     serve.delete("guarded")
 
@@ -130,14 +137,9 @@ def test_grpc_needs_a_valid_key(secured):
 
 @pytest.fixture(scope="module")
 def two_ingresses(serve_session, tmp_path_factory):
-    keyfile = tmp_path_factory.mktemp("keys2") / "api_keys"
-    keyfile.write_text(f"carol:{hash_key('c-secret')}\n")
-    cfg = null_config("shared", num_tokens=2)
     # a bucket that does not refill during the test: a key gets its burst in total
-    cfg["auth"] = {"mode": "api_keys", "api_keys_file": str(keyfile), "api_keys_env": None,
-                   "rate_limit_per_s": 0.001, "burst": 4, "max_concurrent_per_key": 8}
-    cfg["server"] = {"ingress_replicas": 2}
-    deploy_app(cfg, name="shared", route_prefix="/shared")
+    keyed_app(tmp_path_factory, "shared", f"carol:{hash_key('c-secret')}", 2, server={"ingress_replicas": 2},
+              rate_limit_per_s=0.001, burst=4, max_concurrent_per_key=8)
     yield serve_session["base"] + "/shared"
     serve.delete("shared")
 

@@ -38,7 +38,7 @@ from serve_app.errors import (
 )
 
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest
-from .hf_batch import LocalRunner
+from .hf_batch import LocalRunner, resolve_device_dtype
 from .options import HFEngineOptions
 from .textproc import IncrementalDetokenizer, StopStringFilter
 
@@ -148,12 +148,7 @@ class HFEngine(Engine):
             device, dtype_name = f"{tp} ranks", opts.dtype
             self.device = torch.device("cpu")
         else:
-            device = opts.device
-            if device == "auto":
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            if device == "cuda" and not torch.cuda.is_available():
-                raise EngineNotReadyError("engine.options.device is 'cuda' but no GPU is visible")
-            dtype_name = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+            device, dtype_name = resolve_device_dtype(opts)
             self.device = torch.device(device)
             self.dtype = getattr(torch, dtype_name)
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -247,8 +242,8 @@ class HFEngine(Engine):
             raise EngineNotReadyError(f"engine loop died: {self._fatal!r}")
         if self._runner is not None:
             await self._runner.check()
-        if self._runner is not None and self._runner.broken is not None:
-            raise EngineNotReadyError(f"engine cannot step its batch: {self._runner.broken}")
+            if self._runner.broken is not None:
+                raise EngineNotReadyError(f"engine cannot step its batch: {self._runner.broken}")
 
     @property
     def max_model_len(self) -> int:

@@ -11,6 +11,22 @@ a runner never sees sampling, requests or text.
 
 from __future__ import annotations
 
+from serve_app.errors import EngineNotReadyError
+
+
+def resolve_device_dtype(opts) -> tuple[str, str]:
+    """The device ('cuda' or 'cpu') and torch dtype name that ``HFEngineOptions``
+    stand for in this process (a replica, or one tensor-parallel rank)."""
+    import torch
+
+    device = opts.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EngineNotReadyError("engine.options.device is 'cuda' but no GPU is visible")
+    dtype_name = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    return device, dtype_name
+
 
 class _Batch:
     """Running rows: a left-padded KV cache and its attention mask."""

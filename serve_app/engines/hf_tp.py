@@ -20,7 +20,7 @@ from datetime import timedelta
 from serve_app.errors import EngineError, EngineNotReadyError
 
 from .base import ParallelConfig
-from .hf_batch import LocalRunner
+from .hf_batch import LocalRunner, resolve_device_dtype
 from .options import HFEngineOptions
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,7 @@ class TensorParallelShard:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         opts = HFEngineOptions.model_validate(options)
-        device = opts.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise EngineNotReadyError(f"rank {rank}: engine.options.device is 'cuda' but no GPU is visible")
+        device, dtype_name = resolve_device_dtype(opts)
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         # Ray shows each rank only the GPU of its bundle: it is device 0 here, and
@@ -54,7 +50,6 @@ class TensorParallelShard:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master}",
                                 rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
         mesh = dist.init_device_mesh(device, (world_size,))
-        dtype_name = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         model = AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=getattr(torch, dtype_name),
