@@ -193,11 +193,16 @@ class HFEngine(Engine):
         opts = self.options
         register_attention()
         self.model.set_attn_implementation(ATTENTION_NAME)
+        if opts.fuse_projections:
+            from .fused import fuse_projections
+
+            fuse_projections(self.model)
+        use_graphs = device == "cuda" and opts.cuda_graphs
         sizes = opts.cuda_graph_batch_sizes or (
             [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(96, opts.max_num_seqs + 1, 32)))
         self._slots = SlotDecoder(
             self.model, opts.max_num_seqs, self._max_model_len, self.dtype, self.device,
-            use_graphs=device == "cuda" and opts.cuda_graphs,
+            use_graphs=use_graphs, compile_step=use_graphs and opts.compile_decode,
             batch_sizes=[b for b in sizes if b <= opts.max_num_seqs], span_step=opts.cuda_graph_span_step)
         self._free = list(range(opts.max_num_seqs))
         heapq.heapify(self._free)

@@ -75,6 +75,17 @@ class HFEngineOptions(StrictModel):
         description="Granularity, in tokens, of the attention spans captured (one graph per batch "
         "size and span); smaller reads less KV per step but captures more graphs.",
     )
+    fuse_projections: bool = Field(
+        True,
+        description="Static KV path: merge each layer's q/k/v and gate/up projections into one GEMM "
+        "each (Llama/Qwen2/Mistral layers; others run unfused). Same results, fewer kernels.",
+    )
+    compile_decode: bool = Field(
+        True,
+        description="CUDA-graph decode: torch.compile (Inductor, dynamic shapes) the decode step before its "
+        "graphs are captured, so the elementwise work between GEMMs runs as fused kernels. Costs minutes "
+        "at the first start on a node (Inductor then caches its kernels on disk); all before ready.",
+    )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
         description="tensor_parallel_size > 1: a step that some rank has not finished in this time "

@@ -127,7 +127,7 @@ class SlotDecoder:
     """
 
     def __init__(self, model, num_slots: int, max_len: int, dtype, device, use_graphs: bool,
-                 batch_sizes: list[int], span_step: int):
+                 batch_sizes: list[int], span_step: int, compile_step: bool = False):
         import torch
 
         self.model = model
@@ -135,19 +135,26 @@ class SlotDecoder:
         self.lm_head = model.get_output_embeddings()
         cfg = model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len, head_dim,
+        # compiled: one spare position, so no span is the buffers' full length, and batches of 2 rows at
+        # least, so no batch is 1: Inductor would compile each of those cases apart (measured on the 7B:
+        # 4 compiles of ~90 s instead of 1). The spare position is never attended to.
+        buffer_len = max_len + 1 if compile_step else max_len
+        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, buffer_len, head_dim,
                                  dtype, device)
         self.device = device
         self.num_slots, self.max_len = num_slots, max_len
         self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.active = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.span_ids = torch.arange(max_len, device=device)
+        self.span_ids = torch.arange(buffer_len, device=device)
         self.use_graphs = use_graphs
-        self.batch_sizes = sorted({min(b, num_slots) for b in batch_sizes} | {num_slots})
+        self.compile_step = compile_step
+        low = 2 if compile_step else 1
+        self.batch_sizes = sorted({min(max(b, low), num_slots) for b in batch_sizes} | {num_slots})
         self.spans = sorted({min(max_len, s) for s in range(span_step, max_len + span_step, span_step)})
         self.graphs: dict[tuple[int, int], tuple[object, object]] = {}
         self.capture_s = 0.0
+        self.compile_s = 0.0
 
     # ---- steps -------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], pad_id: int):
@@ -190,12 +197,32 @@ class SlotDecoder:
         self.positions[:rows].add_(self.active[:rows])
 
     # ---- graphs ------------------------------------------------------------
+    def compile(self) -> None:
+        """torch.compile the decode step and run it once, so the compile happens now (before ready).
+
+        Inductor fuses the ~40 small kernels per layer between the GEMMs (norms, rotary, softmax,
+        residuals); measured on an H200, 7B, batch 1: replay 6.54 -> 4.59 ms. One dynamic-shape compile
+        serves every (batch, span) bucket, given the spare position and the batch floor of 2 set up in
+        ``__init__``.
+        """
+        import torch
+
+        t0 = time.monotonic()
+        self._step = torch.compile(self._step, dynamic=True)
+        self._step(max(self.batch_sizes), self.spans[-1])
+        self.positions.zero_()
+        self.compile_s = time.monotonic() - t0
+
     def capture(self) -> None:
         import torch
 
         if not self.use_graphs:
             return
         t0 = time.monotonic()
+        if self.compile_step:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                self.compile()
+            torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -213,5 +240,5 @@ class SlotDecoder:
         torch.cuda.synchronize()
         self.positions.zero_()
         self.capture_s = time.monotonic() - t0
-        log.info("captured %d decode graphs (batch %s x span %s) in %.1fs", len(self.graphs), self.batch_sizes,
-                 self.spans, self.capture_s)
+        log.info("captured %d decode graphs (batch %s x span %s) in %.1fs (compile %.1fs)", len(self.graphs),
+                 self.batch_sizes, self.spans, self.capture_s, self.compile_s)

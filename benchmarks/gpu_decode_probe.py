@@ -1,0 +1,234 @@
+"""Where a decode step's time goes on the GPU, and what fusing and compiling buy.
+
+    python benchmarks/gpu_decode_probe.py [--out DIR] [--variants eager,fused,...]
+
+7B-class model (gpu_engine.QWEN7B shape, random bf16 weights, built in memory).
+For each variant of the slot decoder's step (eager transformers modules;
+projections fused; torch.compile of the step; both), CUDA-graph replay time at
+batch 1/8/32/64 over a 768-token span, and a profile of one step (kernel count,
+GPU-busy time, top kernels). Then M=1 and M=64 GEMMs of the model's shapes
+(achieved bandwidth), and prefill throughput. Prints a table last and writes
+gpu_decode_probe.json. Runs on the device machine, no Ray needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_engine import QWEN7B, time_replay_ms
+
+SPAN = 768
+ROWS = (1, 8, 32, 64)
+
+
+def build_model():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**QWEN7B, torch_dtype="bfloat16")
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def profile_step(fn) -> dict:
+    """Kernels of one eager (not captured) step: count, summed GPU time, the heaviest names."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time / 1000.0)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    gemm_ms = sum(sum(v) for k, v in by_name.items() if any(s in k.lower() for s in ("gemm", "gemv", "cutlass",
+                                                                                         "sm90", "nvjet")))
+    return {"kernels": len(kernels), "busy_ms": sum(e.device_time for e in kernels) / 1000.0, "gemm_ms": gemm_ms,
+            "top": [{"name": k, "n": len(v), "ms": round(sum(v), 3)} for k, v in top]}
+
+
+def decoder_variant(model, compile_mode: str | None) -> dict:
+    import torch
+
+    from serve_app.engines.slot_kv import SlotDecoder
+
+    dec = SlotDecoder(model, num_slots=64, max_len=2048, dtype=torch.bfloat16, device=torch.device("cuda"),
+                      use_graphs=True, batch_sizes=list(ROWS), span_step=SPAN)
+    dec.spans = [SPAN]
+    dec.positions.fill_(SPAN - 1)
+    out: dict = {}
+    t0 = time.monotonic()
+    if compile_mode:
+        dec._step = torch.compile(dec._step, dynamic=True, mode=compile_mode)
+    with torch.inference_mode():
+        dec.positions.fill_(SPAN - 1)
+        out["profile_b1"] = profile_step(lambda: dec._step(1, SPAN))
+        out["profile_b64"] = profile_step(lambda: dec._step(64, SPAN))
+        out["first_steps_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        dec.capture()
+        out["capture_s"] = time.monotonic() - t1
+        out["replay_ms"] = {str(r): time_replay_ms(dec.graphs[(r, SPAN)][0], 30, warmup=2) for r in ROWS}
+        # the fused/compiled step must still compute the same logits as the eager one did
+        dec.positions.fill_(SPAN - 1)
+        dec.tokens.fill_(123)
+        g, o = dec.graphs[(1, SPAN)]
+        g.replay()
+        out["logits_b1_sample"] = o[0, :4].float().tolist()
+        out["argmax_b1"] = int(o[0].argmax())
+    dec = None
+    torch.cuda.empty_cache()
+    return out
+
+
+def gemm_bandwidth() -> list[dict]:
+    """F.linear at M=1 and M=64 over the model's weight shapes; 8 weights in rotation so
+    the 50 MB L2 cache does not serve the small ones."""
+    import torch
+    import torch.nn.functional as F
+
+    h, f, kv, v = QWEN7B["hidden_size"], QWEN7B["intermediate_size"], 512, QWEN7B["vocab_size"]
+    shapes = {"q/o 3584x3584": (h, h), "k or v 512x3584": (kv, h), "qkv fused 4608x3584": (h + 2 * kv, h),
+              "gate or up 18944x3584": (f, h), "gate_up fused 37888x3584": (2 * f, h), "down 3584x18944": (h, f),
+              "lm_head 152064x3584": (v, h)}
+    rows = []
+    for lib in ("cublas", "cublaslt"):
+        try:
+            torch.backends.cuda.preferred_blas_library(lib)
+        except Exception as e:  # noqa: BLE001 - a missing library is a result
+            rows.append({"lib": lib, "error": repr(e)})
+            continue
+        for name, (n, k) in shapes.items():
+            count = 2 if n * k > 200_000_000 else 8
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+            for m in (1, 64):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                for w in ws:
+                    F.linear(x, w)
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                reps = 40
+                a.record()
+                for i in range(reps):
+                    F.linear(x, ws[i % count])
+                b.record()
+                torch.cuda.synchronize()
+                us = a.elapsed_time(b) / reps * 1000
+                rows.append({"lib": lib, "shape": name, "m": m, "us": round(us, 1),
+                             "tb_s": round(n * k * 2 / (us * 1e-6) / 1e12, 2)})
+            del ws
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return rows
+
+
+def prefill_rate(model) -> list[dict]:
+    import torch
+
+    from serve_app.engines.slot_kv import SlotDecoder
+
+    dec = SlotDecoder(model, num_slots=16, max_len=1024, dtype=torch.bfloat16, device=torch.device("cuda"),
+                      use_graphs=False, batch_sizes=[1], span_step=1024)
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    rows = []
+    with torch.inference_mode():
+        for n in (1, 4, 16):
+            prompts = [[1000 + i] * 512 for i in range(n)]
+            dec.prefill(prompts, list(range(n)), 0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                dec.prefill(prompts, list(range(n)), 0)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) / 3 * 1000
+            tflop = 2 * params * 512 * n / 1e12
+            rows.append({"prompts": n, "tokens": 512 * n, "ms": round(ms, 1), "tflop_s": round(tflop / (ms / 1000), 0)})
+    dec = None
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
+    p.add_argument("--variants", default="eager,compiled,fused,fused+compiled")
+    p.add_argument("--compile-mode", default="default")
+    args = p.parse_args()
+    import torch
+
+    from serve_app.engines.fused import fuse_projections
+    from serve_app.engines.slot_kv import ATTENTION_NAME, register_attention
+
+    res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "variants": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out / "gpu_decode_probe.json").write_text(json.dumps(res, indent=2))
+
+    t0 = time.monotonic()
+    model = build_model()
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    res["build_s"] = time.monotonic() - t0
+    res["gemm"] = gemm_bandwidth()
+    save()
+    res["prefill"] = prefill_rate(model)
+    save()
+    fused = False
+    for v in args.variants.split(","):
+        if v.startswith("fused") and not fused:
+            res["fused_modules"] = fuse_projections(model)
+            fused = True
+        torch._dynamo.reset()
+        t1 = time.monotonic()
+        try:
+            r = decoder_variant(model, args.compile_mode if "compiled" in v else None)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+            r = {"error": repr(e), "trace": traceback.format_exc()[-3000:]}
+        r["total_s"] = time.monotonic() - t1
+        res["variants"][v] = r
+        save()
+        print(v, json.dumps({k: r.get(k) for k in ("replay_ms", "total_s", "error")}), flush=True)
+    if fused:
+        res["prefill_fused"] = prefill_rate(model)
+    save()
+
+    print("\nGEMM (F.linear, bf16):")
+    print(f"{'lib':<9}{'shape':<26}{'M':>4}{'us':>9}{'TB/s':>7}")
+    for r in res["gemm"]:
+        if "error" in r:
+            print(r["lib"], r["error"])
+            continue
+        print(f"{r['lib']:<9}{r['shape']:<26}{r['m']:>4}{r['us']:>9.1f}{r['tb_s']:>7.2f}")
+    print("\nprefill (eager):", res["prefill"], "\nprefill (fused):", res.get("prefill_fused"))
+    print(f"\n{'variant':<18}{'b1 ms':>8}{'b8':>8}{'b32':>8}{'b64':>8}{'kernels b1':>12}{'busy b1':>9}{'gemm b1':>9}"
+          f"{'setup s':>9}  argmax")
+    for v, r in res["variants"].items():
+        if "error" in r:
+            print(f"{v:<18} failed: {r['error'][:200]}")
+            continue
+        rp, pr = r["replay_ms"], r["profile_b1"]
+        print(f"{v:<18}{rp['1']:>8.2f}{rp['8']:>8.2f}{rp['32']:>8.2f}{rp['64']:>8.2f}{pr['kernels']:>12}"
+              f"{pr['busy_ms']:>9.2f}{pr['gemm_ms']:>9.2f}{r['total_s']:>9.1f}  {r['argmax_b1']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Fused projections and the compiled decode step (serve_app/engines/fused.py, slot_kv.py).
+
+On the CPU: fusing changes no result (real SmolLM2, random Qwen2 with biases,
+random Mistral), leaves unknown models alone, and one torch.compile serves
+every decode bucket without recompiling (Inductor's C++ backend stands in for
+its Triton one; the guards that caused recompiles are the same). The compiled
+engine end to end needs a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from serve_app.engines.fused import fuse_projections
+from serve_app.engines.slot_kv import ATTENTION_NAME, SlotDecoder, register_attention
+
+
+def _tiny(arch: str):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=500, max_position_embeddings=256)
+    if arch == "qwen2":  # q/k/v with biases
+        return Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+    return MistralForCausalLM(MistralConfig(**shape)).eval()
+
+
+@pytest.fixture(scope="module")
+def smollm2(embedded_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32,
+                                                local_files_only=True).eval()
+
+
+@pytest.mark.parametrize("arch", ["smollm2", "qwen2", "mistral"])
+def test_fused_model_computes_what_the_unfused_one_does(arch, request):
+    model = request.getfixturevalue("smollm2") if arch == "smollm2" else _tiny(arch)
+    fused = copy.deepcopy(model)
+    layers = model.config.num_hidden_layers
+    assert fuse_projections(fused) == 2 * layers
+    names = {n for n, _ in fused.named_parameters()}
+    assert not any(".q_proj." in n or ".gate_proj." in n for n in names)
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in model.parameters())
+    ids = torch.randint(10, 400, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        # with a KV cache, token by token
+        a = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+        b = fused.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert a.tolist() == b.tolist()
+
+
+def test_unknown_architecture_is_left_alone_and_fusing_twice_is_a_no_op():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100))
+    before = [n for n, _ in gpt2.named_parameters()]
+    assert fuse_projections(gpt2) == 0
+    assert [n for n, _ in gpt2.named_parameters()] == before
+    model = _tiny("qwen2")
+    assert fuse_projections(model) == 4
+    assert fuse_projections(model) == 0
+
+
+def _decoder(model, compile_step: bool) -> SlotDecoder:
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return SlotDecoder(model, num_slots=8, max_len=128, dtype=torch.float32, device=torch.device("cpu"),
+                       use_graphs=False, batch_sizes=[1, 2, 4, 8], span_step=32, compile_step=compile_step)
+
+
+def test_compiled_decoder_has_no_batch_of_one_and_a_spare_position():
+    dec = _decoder(_tiny("qwen2"), compile_step=True)
+    assert dec.batch_sizes == [2, 4, 8]
+    assert dec.cache.keys[0].shape[2] == 129 and dec.spans[-1] == 128
+    plain = _decoder(_tiny("qwen2"), compile_step=False)
+    assert plain.batch_sizes == [1, 2, 4, 8] and plain.cache.keys[0].shape[2] == 128
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
+    from torch._dynamo.utils import counters
+
+    model = _tiny("qwen2")
+    fuse_projections(model)
+    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled.compile()
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 1
+        for dec in (eager, compiled):
+            dec.prefill([[5 + i] * (3 + i) for i in range(8)], list(range(8)), 0)
+            dec.positions.copy_(torch.tensor([3 + i for i in range(8)]))
+            dec.tokens.copy_(torch.arange(100, 108))
+        for rows in compiled.batch_sizes:
+            for span in compiled.spans:
+                torch.testing.assert_close(compiled._step(rows, span), eager._step(rows, span), rtol=1e-4, atol=1e-4)
+    # the buckets' shapes (batch 2..8, spans 32..128 including the full length) reused the first compile
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled CUDA-graph decode needs a GPU")
+@pytest.mark.asyncio
+async def test_compiled_cuda_engine_answers_like_the_eager_one(embedded_model_dir):
+    from serve_app.engines.base import GenerationRequest, SamplingParams
+    from serve_app.engines.registry import create_engine
+
+    outs = []
+    for compile_decode in (False, True):
+        eng = create_engine("hf", {"device": "cuda", "dtype": "float32", "max_num_seqs": 4, "max_model_len": 512,
+                                   "kv_cache": "static", "compile_decode": compile_decode})
+        await eng.start()
+        ids = eng.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+        toks = []
+        async for c in eng.generate(GenerationRequest("g", ids, SamplingParams(max_tokens=12, temperature=0))):
+            toks += c.token_ids
+        outs.append(toks)
+        await eng.shutdown()
+    assert outs[0] == outs[1]
