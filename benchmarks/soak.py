@@ -41,11 +41,13 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "W
              "Write a haiku about rain.", "Explain what a CPU does in one sentence."]
 
 
-def ray_process_rss() -> dict[str, int]:
-    """RSS of every Ray process on this machine, keyed by its title (ray::ServeReplica:..., raylet, ...)."""
+def ray_processes() -> dict[int, str]:
+    """Every Ray process on this machine: pid -> label (its title: ray::ServeReplica:..., raylet, ...).
+    Labels are taken once, at the start, and processes are then followed by pid: an actor's title
+    changes with the method it runs, and a label looked up again could miss it."""
     import psutil
 
-    out: dict[str, int] = {}
+    out: dict[int, str] = {}
     for p in psutil.process_iter(["cmdline", "name"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if not cmd:
@@ -57,11 +59,22 @@ def ray_process_rss() -> dict[str, int]:
             # also names a script (its worker command), so binaries keep their name
             if key.startswith("python") and ("ray/_private" in cmd or "ray/dashboard" in cmd):
                 key = next((Path(a).name for a in cmd.split() if a.endswith(".py")), key)
-            try:
-                key = f"{key} (pid {p.pid})"
-                out[key] = p.memory_info().rss
-            except psutil.Error:
-                pass
+            out[p.pid] = f"{key} (pid {p.pid})"
+    return out
+
+
+def memory_of(procs: dict[int, str]) -> dict[str, tuple[int, int]]:
+    """label -> (RSS, of it shared pages: files and shared memory such as the object store) now;
+    a process that has exited is left out."""
+    import psutil
+
+    out = {}
+    for pid, label in procs.items():
+        try:
+            m = psutil.Process(pid).memory_info()
+        except psutil.Error:
+            continue
+        out[label] = (m.rss, m.shared)
     return out
 
 
@@ -117,18 +130,22 @@ def soak_one(name: str, args, port: int) -> dict:
     ingress = serve.get_deployment_handle("Ingress", f"soak-{name}")
     if args.tracemalloc:
         ingress.memory_mark.remote().result()
-    rss0 = ray_process_rss()
+    procs = ray_processes()
+    mem0 = memory_of(procs)
+    rss0 = {k: v[0] for k, v in mem0.items()}
     windows = []
     minutes = max(1, round(args.minutes))
     trend = {k: [v / 1e6] for k, v in rss0.items()}
+    shared = {k: [v[1] / 1e6] for k, v in mem0.items()}
     for i in range(minutes):
         w = asyncio.run(window(base, name, args.concurrency, args.minutes * 60 / minutes, rng))
-        now = ray_process_rss()
+        now = memory_of(procs)
         for k in trend:  # growth that flattens is allocator warm-up; a steady climb is a leak
-            trend[k].append(now.get(k, 0) / 1e6)
+            trend[k].append(now.get(k, (0, 0))[0] / 1e6)
+            shared[k].append(now.get(k, (0, 0))[1] / 1e6)
         print(json.dumps({"engine": name, "window": i, **w}), flush=True)
         windows.append(w)
-    rss1 = ray_process_rss()
+    rss1 = {k: v[0] for k, v in memory_of(procs).items()}
     growth_by_line = ingress.memory_growth.remote(20).result() if args.tracemalloc else []
     for line in growth_by_line:
         print(f"  ingress {line}", flush=True)
@@ -140,7 +157,8 @@ def soak_one(name: str, args, port: int) -> dict:
             "errors": sum(w["errors"] for w in windows), "p99_first_ms": windows[0]["p99_ms"],
             "p99_last_ms": windows[-1]["p99_ms"], "worst_rss_process": worst[0],
             "worst_rss_growth_pct": worst[1], "rss_start_mb": {k: v / 1e6 for k, v in rss0.items()},
-            "rss_growth_pct": growth, "rss_mb_per_window": trend, "windows": windows,
+            "rss_growth_pct": growth, "rss_mb_per_window": trend, "shared_mb_per_window": shared,
+            "windows": windows,
             "ingress_python_growth": growth_by_line}
 
 
