@@ -53,6 +53,33 @@ async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: 
     return {"ttft_s": first, "e2e_s": time.perf_counter() - t0, "tokens": tokens}
 
 
+async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) -> float:
+    """Median time to the first delta when the driver calls the LLMServer replica through a Serve
+    handle (one Ray hop, no HTTP proxy, no ingress): splits the stack's first-token overhead
+    into replica + engine vs proxy + ingress."""
+    import statistics
+
+    from ray import serve
+
+    from serve_app.app import APP_NAME, llm_deployment_name
+    from serve_app.internal import InferenceRequest
+
+    h = serve.get_deployment_handle(llm_deployment_name("bench", "stable"), APP_NAME)
+    xs = []
+    for i in range(n + 1):
+        t0 = time.perf_counter()
+        gen = h.options(stream=True).generate.remote(InferenceRequest(
+            request_id=f"hop-{i}", model="bench", prompt_token_ids=prompt, max_tokens=out_tokens, temperature=0,
+            ignore_eos=True))
+        first = None
+        async for _ in gen:
+            if first is None:
+                first = time.perf_counter() - t0
+        if i:  # the first call also sets up the handle
+            xs.append(first)
+    return 1000 * statistics.median(xs)
+
+
 async def drive(base: str, model: str, args) -> dict:
     import httpx
 
@@ -66,7 +93,8 @@ async def drive(base: str, model: str, args) -> dict:
         singles = [await http_one(client, url, model, prompt(), args.output) for _ in range(3)]
         steps = sorted((r["e2e_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in singles)
         out["single"] = {"decode_step_ms": 1000 * steps[1],
-                         "ttft_ms": 1000 * sorted(r["ttft_s"] for r in singles)[1]}
+                         "ttft_ms": 1000 * sorted(r["ttft_s"] for r in singles)[1],
+                         "ttft_via_handle_ms": await handle_first_token_ms(prompt(), args.output)}
         for conc in args.concurrency:
             out[f"concurrency_{conc}"] = await concurrent_load(
                 lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng)
@@ -155,6 +183,9 @@ def main() -> None:
     s = res["single"]
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>10.2f}"
           f"{(alone or {}).get('single', {}).get('decode_step_ms', float('nan')):>10.2f}")
+    print(f"{'single-stream TTFT (ms)':<34}{s['ttft_ms']:>10.1f}"
+          f"{(alone or {}).get('single', {}).get('ttft_ms', float('nan')):>10.1f}"
+          f"  (driver -> replica handle, no proxy/ingress: {s['ttft_via_handle_ms']:.1f})")
 
 
 if __name__ == "__main__":
