@@ -125,3 +125,23 @@ async def test_compiled_cuda_engine_answers_like_the_eager_one(embedded_model_di
         outs.append(toks)
         await eng.shutdown()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_failed_compile_leaves_a_working_eager_step(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    # the node has no usable C compiler (what Triton's launcher needs on a GPU node)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    model = _tiny("qwen2")
+    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled.compile()
+        assert compiled.compile_error is not None
+        for dec in (eager, compiled):
+            dec.prefill([[7, 8, 9]] * 2, [0, 1], 0)
+            dec.positions[:2] = 3
+            dec.tokens[:2] = 42
+        torch.testing.assert_close(compiled._step(2, 32), eager._step(2, 32))

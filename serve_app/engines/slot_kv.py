@@ -155,6 +155,7 @@ class SlotDecoder:
         self.graphs: dict[tuple[int, int], tuple[object, object]] = {}
         self.capture_s = 0.0
         self.compile_s = 0.0
+        self.compile_error: str | None = None
 
     # ---- steps -------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], pad_id: int):
@@ -208,8 +209,17 @@ class SlotDecoder:
         import torch
 
         t0 = time.monotonic()
-        self._step = torch.compile(self._step, dynamic=True)
-        self._step(max(self.batch_sizes), self.spans[-1])
+        eager = self._step
+        self._step = torch.compile(eager, dynamic=True)
+        try:
+            self._step(max(self.batch_sizes), self.spans[-1])
+        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager step, which is correct
+            # e.g. no C compiler on the node for Triton's launcher: serve ~40 % slower rather than not at all
+            self._step = eager
+            self.compile_error = f"{type(e).__name__}: {str(e)[:300]}"
+            log.warning("torch.compile of the decode step failed, decoding uncompiled (set compile_decode: false "
+                        "to skip the attempt): %s", self.compile_error)
+            torch._dynamo.reset()
         self.positions.zero_()
         self.compile_s = time.monotonic() - t0
 
