@@ -78,7 +78,8 @@ def memory_of(procs: dict[int, str]) -> dict[str, tuple[int, int]]:
     return out
 
 
-async def window(base: str, model: str, concurrency: int, seconds: float, rng: random.Random) -> dict:
+async def window(base: str, model: str, concurrency: int, seconds: float, rng: random.Random,
+                 stream_fraction: float = 0.5) -> dict:
     import httpx
 
     lat, errors, n = [], 0, 0
@@ -87,7 +88,7 @@ async def window(base: str, model: str, concurrency: int, seconds: float, rng: r
     async def worker(client):
         nonlocal errors, n
         while time.monotonic() < deadline:
-            stream = rng.random() < 0.5
+            stream = rng.random() < stream_fraction
             body = {"model": model, "max_tokens": 24, "temperature": 0 if rng.random() < 0.5 else 0.8,
                     "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], "stream": stream}
             t0 = time.perf_counter()
@@ -138,7 +139,7 @@ def soak_one(name: str, args, port: int) -> dict:
     trend = {k: [v / 1e6] for k, v in rss0.items()}
     shared = {k: [v[1] / 1e6] for k, v in mem0.items()}
     for i in range(minutes):
-        w = asyncio.run(window(base, name, args.concurrency, args.minutes * 60 / minutes, rng))
+        w = asyncio.run(window(base, name, args.concurrency, args.minutes * 60 / minutes, rng, args.stream_fraction))
         now = memory_of(procs)
         for k in trend:  # growth that flattens is allocator warm-up; a steady climb is a leak
             trend[k].append(now.get(k, (0, 0))[0] / 1e6)
@@ -153,6 +154,7 @@ def soak_one(name: str, args, port: int) -> dict:
     growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
     worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
     return {"engine": name, "minutes": args.minutes, "malloc_arena_max": args.malloc_arena_max or None,
+            "stream_fraction": args.stream_fraction,
             "requests": sum(w["requests"] for w in windows),
             "errors": sum(w["errors"] for w in windows), "p99_first_ms": windows[0]["p99_ms"],
             "p99_last_ms": windows[-1]["p99_ms"], "worst_rss_process": worst[0],
@@ -167,6 +169,7 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="per engine")
     p.add_argument("--engines", nargs="+", default=["null", "smollm2"], choices=sorted(ENGINES))
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--stream-fraction", type=float, default=0.5, help="share of requests that stream")
     p.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
     p.add_argument("--malloc-arena-max", type=int, default=2,
                    help="MALLOC_ARENA_MAX for every Ray process, as cluster.yaml's ray start sets it (0: unset)")
