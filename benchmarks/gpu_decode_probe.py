@@ -24,24 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import QWEN7B, time_replay_ms
+from benchmarks.gpu_engine import QWEN7B, random_qwen7b, time_replay_ms
 
 SPAN = 768
 ROWS = (1, 8, 32, 64)
-
-
-def build_model():
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(**QWEN7B, torch_dtype="bfloat16")
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02, generator=g)
-    return model.eval()
 
 
 def profile_step(fn) -> dict:
@@ -73,7 +59,6 @@ def decoder_variant(model, compile_mode: str | None) -> dict:
     dec = SlotDecoder(model, num_slots=64, max_len=2048, dtype=torch.bfloat16, device=torch.device("cuda"),
                       use_graphs=True, batch_sizes=list(ROWS), span_step=SPAN)
     dec.spans = [SPAN]
-    dec.positions.fill_(SPAN - 1)
     out: dict = {}
     t0 = time.monotonic()
     if compile_mode:
@@ -184,7 +169,7 @@ def main() -> None:
         (out / "gpu_decode_probe.json").write_text(json.dumps(res, indent=2))
 
     t0 = time.monotonic()
-    model = build_model()
+    model = random_qwen7b()
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     res["build_s"] = time.monotonic() - t0

@@ -41,20 +41,29 @@ def engine_options(model_dir: Path, kv_cache: str = "auto") -> dict:
             "max_model_len": 2048, "kv_cache": kv_cache}
 
 
-def build_model_dir(path: Path, tokenizer_dir: Path) -> float:
+def random_qwen7b(**config):
+    """The 7B-class model on the GPU with random bf16 weights (seed 0); ``config`` adds Qwen2Config fields."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    t0 = time.perf_counter()
-    if (path / "config.json").exists() and list(path.glob("*.safetensors")):
-        return 0.0  # built earlier in this call
-    cfg = Qwen2Config(**QWEN7B, torch_dtype="bfloat16")
+    cfg = Qwen2Config(**QWEN7B, torch_dtype="bfloat16", **config)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():  # random, not zeros: zeros run faster than real data
             p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def build_model_dir(path: Path, tokenizer_dir: Path) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    if (path / "config.json").exists() and list(path.glob("*.safetensors")):
+        return 0.0  # built earlier in this call
+    model = random_qwen7b()
+    with torch.no_grad():
         # the stand-in tokenizer (SmolLM2's) knows fewer ids than Qwen's 152k: zero logits past it keep
         # greedy picks inside its vocabulary, so every token has text and streams (and TTFT) are real
         from tokenizers import Tokenizer

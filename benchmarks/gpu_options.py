@@ -24,22 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import QWEN7B, time_replay_ms  # noqa: E402
+from benchmarks.gpu_engine import random_qwen7b, time_replay_ms  # noqa: E402
 
 
 def build_model():
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(**QWEN7B, torch_dtype="bfloat16", attn_implementation="sdpa")
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02, generator=g)
+    model = random_qwen7b(attn_implementation="sdpa")
     model.generation_config.eos_token_id = -1
-    return model.eval()
+    return model
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -132,21 +132,18 @@ def soak_one(name: str, args, port: int) -> dict:
     if args.tracemalloc:
         ingress.memory_mark.remote().result()
     procs = ray_processes()
-    mem0 = memory_of(procs)
-    rss0 = {k: v[0] for k, v in mem0.items()}
+    samples = [memory_of(procs)]  # at the start, then after every window
     windows = []
     minutes = max(1, round(args.minutes))
-    trend = {k: [v / 1e6] for k, v in rss0.items()}
-    shared = {k: [v[1] / 1e6] for k, v in mem0.items()}
     for i in range(minutes):
         w = asyncio.run(window(base, name, args.concurrency, args.minutes * 60 / minutes, rng, args.stream_fraction))
-        now = memory_of(procs)
-        for k in trend:  # growth that flattens is allocator warm-up; a steady climb is a leak
-            trend[k].append(now.get(k, (0, 0))[0] / 1e6)
-            shared[k].append(now.get(k, (0, 0))[1] / 1e6)
+        samples.append(memory_of(procs))
         print(json.dumps({"engine": name, "window": i, **w}), flush=True)
         windows.append(w)
-    rss1 = {k: v[0] for k, v in memory_of(procs).items()}
+    rss0, rss1 = ({k: v[0] for k, v in sample.items()} for sample in (samples[0], samples[-1]))
+    # growth that flattens is allocator warm-up; a steady climb is a leak
+    trend = {k: [m.get(k, (0, 0))[0] / 1e6 for m in samples] for k in rss0}
+    shared = {k: [m.get(k, (0, 0))[1] / 1e6 for m in samples] for k in rss0}
     growth_by_line = ingress.memory_growth.remote(20).result() if args.tracemalloc else []
     for line in growth_by_line:
         print(f"  ingress {line}", flush=True)

@@ -229,13 +229,12 @@ class SlotDecoder:
         if not self.use_graphs:
             return
         t0 = time.monotonic()
-        if self.compile_step:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                self.compile()
-            torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        if self.compile_step:
+            with torch.cuda.stream(stream):
+                self.compile()
         # largest first, so smaller graphs reuse the pool's blocks
         for rows in sorted(self.batch_sizes, reverse=True):
             for span in sorted(self.spans, reverse=True):
