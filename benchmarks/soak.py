@@ -112,8 +112,28 @@ async def window(base: str, model: str, concurrency: int, seconds: float, rng: r
 
     async with httpx.AsyncClient(timeout=120) as client:
         await asyncio.gather(*[worker(client) for _ in range(concurrency)])
+        if concurrency == 0:  # idle: what Ray's processes do with no requests at all
+            await asyncio.sleep(seconds)
     return {"requests": n, "errors": errors, "p50_ms": 1000 * percentile(lat, 50),
             "p99_ms": 1000 * percentile(lat, 99)}
+
+
+def soak_bare_ray(args) -> dict:
+    """No Serve at all: Ray's own processes, sampled like soak_one's (a baseline for their growth)."""
+    procs = ray_processes()
+    samples = [memory_of(procs)]
+    minutes = max(1, round(args.minutes))
+    for _ in range(minutes):
+        time.sleep(args.minutes * 60 / minutes)
+        samples.append(memory_of(procs))
+    rss0, rss1 = ({k: v[0] for k, v in sample.items()} for sample in (samples[0], samples[-1]))
+    growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
+    worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
+    return {"engine": "none", "minutes": args.minutes, "requests": 0, "errors": 0,
+            "p99_first_ms": float("nan"), "p99_last_ms": float("nan"), "worst_rss_process": worst[0],
+            "worst_rss_growth_pct": worst[1], "rss_growth_pct": growth,
+            "rss_mb_per_window": {k: [m.get(k, (0, 0))[0] / 1e6 for m in samples] for k in rss0},
+            "shared_mb_per_window": {k: [m.get(k, (0, 0))[1] / 1e6 for m in samples] for k in rss0}}
 
 
 def soak_one(name: str, args, port: int) -> dict:
@@ -164,8 +184,9 @@ def soak_one(name: str, args, port: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--minutes", type=float, default=10.0, help="per engine")
-    p.add_argument("--engines", nargs="+", default=["null", "smollm2"], choices=sorted(ENGINES))
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--engines", nargs="+", default=["null", "smollm2"], choices=sorted(ENGINES) + ["none"],
+                   help="'none': Ray alone, no Serve application (a baseline)")
+    p.add_argument("--concurrency", type=int, default=8, help="clients; 0 leaves the app idle (a baseline)")
     p.add_argument("--stream-fraction", type=float, default=0.5, help="share of requests that stream")
     p.add_argument("--out", default=str(ROOT / "results" / "soak.json"))
     p.add_argument("--malloc-arena-max", type=int, default=2,
@@ -189,9 +210,12 @@ def main() -> None:
 
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
-    rows = [soak_one(name, args, port) for name in args.engines]
-    serve.shutdown()
+    if args.engines == ["none"]:
+        rows = [soak_bare_ray(args)]
+    else:
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        rows = [soak_one(name, args, port) for name in args.engines if name != "none"]
+        serve.shutdown()
     ray.shutdown()
     save_json(args.out, rows)
     print()

@@ -27,6 +27,7 @@ from rollout.analysis import Sample, category
 log = logging.getLogger("seekserve.signals")
 
 VARIANT_ATTR = "seekserve.variant"
+FIRST_CHUNK_EVENT = "seekserve.first_chunk"
 
 
 class SampleWindows:
@@ -148,6 +149,10 @@ class RequestSpan:
         self._lp_sum = 0.0
         self._lp_n = 0
         self._done = False
+
+    def first_chunk(self) -> None:
+        """The first delta reached the ingress: the request's time to first token, minus the proxy."""
+        self.span.add_event(FIRST_CHUNK_EVENT)
 
     def add_logprobs(self, logprobs: list[float]) -> None:
         self._lp_sum += sum(logprobs)

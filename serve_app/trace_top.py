@@ -22,6 +22,7 @@ class Span:
     start_ns: int
     end_ns: int
     children: list = field(default_factory=list)
+    events: dict = field(default_factory=dict)  # name -> time (ns) of its first occurrence
 
     @property
     def duration_ns(self) -> int:
@@ -37,8 +38,11 @@ def read_spans(path: str | Path) -> list[Span]:
         for rs in doc.get("resourceSpans", []):
             for ss in rs.get("scopeSpans", []):
                 for s in ss.get("spans", []):
+                    events = {}
+                    for e in s.get("events", []):
+                        events.setdefault(e["name"], int(e["timeUnixNano"]))
                     spans.append(Span(s["traceId"], s["spanId"], s.get("parentSpanId", ""), s["name"],
-                                      int(s["startTimeUnixNano"]), int(s["endTimeUnixNano"])))
+                                      int(s["startTimeUnixNano"]), int(s["endTimeUnixNano"]), events=events))
     return spans
 
 

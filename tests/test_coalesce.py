@@ -42,6 +42,37 @@ def test_pacing_sends_the_first_token_at_once_then_merges_per_interval():
     assert all(g >= 0.045 for g in gaps), gaps
 
 
+def test_pacing_starts_at_the_first_visible_item_not_at_a_textless_first_token():
+    """A first token that completes no character has no text: the client sees nothing, so the
+    first token with text must not wait out an interval behind it."""
+    async def source():
+        for text in ["", "", "Hel", "lo", " wor", "ld"]:
+            await asyncio.sleep(0.005)
+            yield [text]
+
+    async def main():
+        t0 = time.monotonic()
+        out = await _collect(coalesced(source(), _merge, min_interval_s=0.5, visible=lambda b: any(b)))
+        return t0, out
+
+    t0, out = asyncio.run(main())
+    first_text_at = next(t for t, batch in out if any(batch))
+    assert first_text_at - t0 < 0.2, [(round(t - t0, 3), b) for t, b in out]
+    assert "".join(x for _, b in out for x in b) == "Hello world"
+    assert len(out) <= 4  # after "Hel" the rest is paced and merged
+
+
+def test_textless_items_after_the_first_text_are_still_paced():
+    async def source():
+        for i in range(40):
+            await asyncio.sleep(0.005)
+            yield ["x" if i == 0 else ("" if i % 2 else "y")]
+
+    out = asyncio.run(_collect(coalesced(source(), _merge, min_interval_s=0.05, visible=lambda b: any(b))))
+    assert len(out) <= 8, [b for _, b in out]
+    assert sum(len(b) for _, b in out) == 40
+
+
 def test_without_pacing_every_token_goes_out_when_the_consumer_keeps_up():
     out = asyncio.run(_collect(coalesced(_ticks(10, 0.005), _merge)))
     assert [b for _, b in out] == [[i] for i in range(10)]

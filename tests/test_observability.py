@@ -79,6 +79,10 @@ def traced_app(serve_session, tmp_path_factory):
             "model": "smol-traced", "max_tokens": 12, "temperature": 0,
             "messages": [{"role": "user", "content": f"Name {i + 2} colours."}]})
         assert r.status_code == 200
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=120, json={
+            "model": "smol-traced", "max_tokens": 12, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Name a colour."}]}) as r:
+        assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
     yield {"base": base, "trace_file": trace_file}
     serve.delete("traced")  # the session's Ray has 8 CPUs for every module's apps
 
@@ -134,15 +138,20 @@ def test_one_trace_covers_ingress_and_replica_and_trace_top_attributes_it(traced
     from serve_app.trace_top import build_trees, read_spans
 
     path = traced_app["trace_file"]
-    wait_for(lambda: path.exists() and len([s for s in read_spans(path) if s.name == "engine.decode"]) >= 3,
+    wait_for(lambda: path.exists() and len([s for s in read_spans(path) if s.name == "engine.decode"]) >= 4,
              timeout_s=30)
     roots = [r for r in build_trees(read_spans(path)) if r.name.startswith("chat ")]
-    assert len(roots) >= 3
+    assert len(roots) >= 4
     for r in roots:
         assert sorted(c.name for c in r.children) == ["llm_server.generate", "router.route"]
         (gen,) = [c for c in r.children if c.name == "llm_server.generate"]
         assert {c.name for c in gen.children} == {"engine.queue", "engine.prefill", "engine.decode"}
         assert gen.trace_id == r.trace_id and r.start_ns <= gen.start_ns and gen.end_ns <= r.end_ns + 5_000_000
+    # the streamed request marks when its first delta reached the ingress: after the replica's first token
+    (streamed,) = [r for r in roots if "seekserve.first_chunk" in r.events]
+    (gen,) = [c for c in streamed.children if c.name == "llm_server.generate"]
+    (prefill,) = [c for c in gen.children if c.name == "engine.prefill"]
+    assert prefill.end_ns <= streamed.events["seekserve.first_chunk"] <= streamed.end_ns
     out = subprocess.run([sys.executable, "-m", "serve_app.cli", "trace", "top", str(path), "--root", "chat"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr

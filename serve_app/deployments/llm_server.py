@@ -118,7 +118,7 @@ class LLMServer:
 
     async def generate(self, req: InferenceRequest) -> AsyncIterator[Delta]:
         """Stream deltas; an admission error is raised before the first one."""
-        async for d in coalesced(self._deltas(req), merge_deltas, self.stream_interval_s):
+        async for d in coalesced(self._deltas(req), merge_deltas, self.stream_interval_s, lambda d: bool(d.text)):
             yield d
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:

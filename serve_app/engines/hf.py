@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -117,6 +118,8 @@ class HFEngine(Engine):
     # ---- lifecycle -------------------------------------------------------
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
+        if self.options.switch_interval_ms is not None:
+            sys.setswitchinterval(self.options.switch_interval_ms / 1000.0)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
         self._ready = True
@@ -488,26 +491,27 @@ class HFEngine(Engine):
         import torch
 
         rows, span = self._rows_and_span(busy)
-        logits = self._slots.decode(rows, span)[:rows].float()
+        logits, chosen, lp = (t[:rows] for t in self._slots.decode(rows, span))  # greedy, inside the step
         self._stats.forward_passes += 1
-        lse = torch.logsumexp(logits, dim=-1)
         hot = [s for s in busy if s.req.sampling.temperature > 0]
         if hot:
-            temps = torch.ones(rows, dtype=torch.float32)
-            greedy = torch.ones(rows, dtype=torch.bool)
+            logits = logits.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            # pinned and non-blocking: a copy from pageable memory would make the host wait for the
+            # step in flight, and sampled requests would lose the host/GPU overlap
+            pin = self._slots.device.type == "cuda"
+            temps = torch.ones(rows, dtype=torch.float32, pin_memory=pin)
+            greedy = torch.ones(rows, dtype=torch.bool, pin_memory=pin)
             for s in hot:
                 temps[s.slot] = s.req.sampling.temperature
                 greedy[s.slot] = False
-            temps = temps.to(self.device).unsqueeze(1)
-            greedy = greedy.to(self.device).unsqueeze(1)
+            temps = temps.to(self.device, non_blocking=True).unsqueeze(1)
+            greedy = greedy.to(self.device, non_blocking=True).unsqueeze(1)
             # Gumbel-max: argmax(logits / T + G) is a draw from softmax(logits / T)
             gumbel = -torch.empty_like(logits).exponential_().log()
             chosen = torch.where(greedy, logits, logits / temps + gumbel).argmax(dim=-1)
-        else:
-            chosen = logits.argmax(dim=-1)
-        lp = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
-        self._slots.tokens[:rows].copy_(chosen)
-        self._slots.advance(rows)
+            lp = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
+            self._slots.tokens[:rows].copy_(chosen)
         for s in busy:
             s.pos += 1
         if self._slots.device.type == "cuda":
@@ -538,12 +542,11 @@ class HFEngine(Engine):
         import torch
 
         rows, span = self._rows_and_span(busy)
-        logits = self._slots.decode(rows, span)[:rows]
+        logits = self._slots.decode(rows, span)[0][:rows]  # the step moved the positions on already
         self._stats.forward_passes += 1
         slots = torch.tensor([s.slot for s in busy], dtype=torch.long).to(self.device)
         chosen = self._sample(logits.index_select(0, slots), busy).view(-1)
         self._slots.tokens.index_copy_(0, slots, chosen)
-        self._slots.advance(rows)
         for s in busy:
             s.pos += 1
         self._drop_finished()

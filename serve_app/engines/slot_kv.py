@@ -122,8 +122,12 @@ class SlotDecoder:
 
     The decode inputs live in static buffers: ``tokens[row]`` (the token to feed),
     ``positions[row]`` (where it goes = tokens already cached) and ``active[row]``
-    (1 while a sequence owns the row). A step reads them and returns logits for
-    rows ``0..B-1``; the caller advances them.
+    (1 while a sequence owns the row). A step reads them, returns logits for rows
+    ``0..B-1`` with each row's greedy token and its logprob, and itself writes
+    those tokens into ``tokens`` and moves every active row one position on. So a
+    greedy step needs nothing from the host, and greedy sampling runs inside the
+    compiled graph instead of as ~8 small kernels after it; a caller that samples
+    otherwise overwrites ``tokens`` for its rows.
     """
 
     def __init__(self, model, num_slots: int, max_len: int, dtype, device, use_graphs: bool,
@@ -176,26 +180,32 @@ class SlotDecoder:
         return self.lm_head(hidden[torch.arange(n, device=self.device), last])
 
     def _step(self, rows: int, span: int):
+        import torch
+
         pos = self.positions[:rows]
         mask = (self.span_ids[:span].unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
         hidden = self.decoder(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=pos.unsqueeze(1),
                               attention_mask=mask, past_key_values=self.cache.for_decode(rows, span, pos),
                               use_cache=True).last_hidden_state
-        return self.lm_head(hidden[:, -1])
+        logits = self.lm_head(hidden[:, -1])
+        scores = logits.float()
+        chosen = scores.argmax(dim=-1)
+        logprob = scores.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(scores, dim=-1)
+        self.tokens[:rows].copy_(chosen)
+        # free rows stay where they are (active 0) and write there harmlessly
+        self.positions[:rows].add_(self.active[:rows])
+        return logits, chosen, logprob
 
     def decode(self, busy_rows: int, longest: int):
         """One step for rows 0..busy_rows-1 whose longest sequence (after this step) is `longest`.
-        Returns logits for a bucket of rows >= busy_rows."""
+        Returns (logits, greedy tokens, their logprobs) for a bucket of rows >= busy_rows; the greedy
+        tokens are already the next step's input and the positions already moved on."""
         if not self.use_graphs:
             return self._step(busy_rows, longest)
         key = (bucket(busy_rows, self.batch_sizes), bucket(longest, self.spans))
         graph, out = self.graphs[key]
         graph.replay()
         return out
-
-    def advance(self, rows: int) -> None:
-        """Every busy row moves one position on; free rows stay at 0 (they write there harmlessly)."""
-        self.positions[:rows].add_(self.active[:rows])
 
     # ---- graphs ------------------------------------------------------------
     def compile(self) -> None:

@@ -76,6 +76,9 @@ class _NoSpan:
     def add_logprobs(self, lps) -> None:
         pass
 
+    def first_chunk(self) -> None:
+        pass
+
     def finish(self, **kw) -> None:
         pass
 
@@ -90,6 +93,9 @@ class _Recorded:
 
     def add_logprobs(self, lps) -> None:
         self.span.add_logprobs(lps)
+
+    def first_chunk(self) -> None:
+        self.span.first_chunk()
 
     def finish(self, status_code: int = 200, error_type: str | None = None, **kw) -> None:
         if self.done:
@@ -223,6 +229,7 @@ class InferenceCore:
         except SeekserveError as e:
             span.finish(status_code=e.status_code, error_type=type(e).__name__)
             raise
+        span.first_chunk()
         span.add_logprobs(first.logprobs)
         return StreamHandle(variant, first, self._rest(gen, deadline, span, first))
 
