@@ -147,7 +147,7 @@ def main() -> None:
                    help="server.stream_interval_ms: tokens after the first merged at most once per interval")
     p.add_argument("--ingress-replicas", type=int, default=4, help="server.ingress_replicas")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
-                   help="an engine option over the benchmark's own, e.g. --set switch_interval_ms=0.5")
+                   help="an engine option over the benchmark's own, e.g. --set compile_decode=false")
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))

@@ -23,6 +23,20 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.loadgen import free_port, print_table, run_load, save_json  # noqa: E402
 
 
+def replica_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) so far of the app's Serve replicas, by deployment."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        for name in ("LLMServer", "Ingress"):
+            if cmd.startswith("ray::ServeReplica:pacing:" + name):
+                t = p.cpu_times()
+                out[name] = out.get(name, 0.0) + t.user + t.system
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--streams", type=int, default=32)
@@ -54,21 +68,29 @@ def main() -> None:
         })
         serve.run(build_app(cfg), name="pacing", route_prefix="/")
         body = {"model": "null", "prompt": "x", "max_tokens": args.tokens}
+        cpu0 = replica_cpu_s()
         r = asyncio.run(run_load(f"http://127.0.0.1:{port}/v1/completions", body, args.streams,
                                  max_requests=100_000, max_duration_s=args.duration_s, stream=True,
                                  warmup_requests=2))
         s = r.summary()
+        cpu1 = replica_cpu_s()
+        # CPU per token of each serving process: what decides how many streams a replica can carry,
+        # whatever share of this machine the load generator takes
+        per_1k = {f"{k}_cpu_ms_per_1k_tok": 1e6 * (cpu1[k] - cpu0.get(k, 0.0)) / max(1, r.output_tokens)
+                  for k in cpu1}
         offered = args.streams * args.tokens_per_s
         rows.append({"stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
                      "delivered_tok_s": s["output_tok_s"], "delivered_pct": 100 * s["output_tok_s"] / offered,
-                     "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p95_ms": s["ttft_p95_ms"], "errors": s["errors"]})
+                     "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p95_ms": s["ttft_p95_ms"], "errors": s["errors"],
+                     **per_1k})
         print(json.dumps(rows[-1]), flush=True)
     serve.shutdown()
     ray.shutdown()
     save_json(args.out, rows)
     print()
     print_table(rows, ["stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
-                       "ttft_p50_ms", "ttft_p95_ms", "errors"])
+                       "ttft_p50_ms", "ttft_p95_ms", "errors", "LLMServer_cpu_ms_per_1k_tok",
+                       "Ingress_cpu_ms_per_1k_tok"])
 
 
 if __name__ == "__main__":

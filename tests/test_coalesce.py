@@ -87,3 +87,18 @@ def test_an_error_arrives_after_the_items_before_it():
         return got
 
     assert asyncio.run(main()) == [0, 1, 2, 3, 4]
+
+
+def test_merged_engine_chunks_keep_every_token_and_the_first_queue_time():
+    from serve_app.engines.base import EngineChunk, merge_chunks
+
+    def chunk(i, finish=None, queue=None):
+        return EngineChunk(request_id="r", token_ids=[i], text=f"t{i}", logprobs=[-0.1 * i],
+                           top_logprobs=[{i: -0.1 * i}], finish_reason=finish, num_prompt_tokens=5,
+                           num_generated_tokens=i + 1, queue_time_s=queue)
+
+    m = merge_chunks([chunk(0, queue=0.25), chunk(1), chunk(2, finish="length")])
+    assert m.token_ids == [0, 1, 2] and m.text == "t0t1t2" and m.logprobs == [0.0, -0.1, -0.2]
+    assert m.top_logprobs == [{0: 0.0}, {1: -0.1}, {2: -0.2}]
+    assert (m.finish_reason, m.num_generated_tokens, m.queue_time_s) == ("length", 3, 0.25)
+    assert merge_chunks([chunk(0), chunk(1)]).queue_time_s is None

@@ -22,11 +22,11 @@ from cluster.nccl import detect
 from cluster.placement import replica_placement, start_rank_workers
 from serve_app.config import NcclSpec, TracingSettings
 from serve_app.tracing import extract, make_provider
-from serve_app.engines.base import GenerationRequest, ParallelConfig, SamplingParams
+from serve_app.engines.base import GenerationRequest, ParallelConfig, SamplingParams, merge_chunks
 from serve_app.engines.registry import create_engine
 from serve_app.errors import InvalidRequestError
 from serve_app.deployments.coalesce import coalesced
-from serve_app.internal import Completion, Delta, InferenceRequest, merge_deltas
+from serve_app.internal import Completion, Delta, InferenceRequest
 
 log = logging.getLogger("seekserve.llm_server")
 
@@ -118,7 +118,7 @@ class LLMServer:
 
     async def generate(self, req: InferenceRequest) -> AsyncIterator[Delta]:
         """Stream deltas; an admission error is raised before the first one."""
-        async for d in coalesced(self._deltas(req), merge_deltas, self.stream_interval_s, lambda d: bool(d.text)):
+        async for d in self._deltas(req, self.stream_interval_s):
             yield d
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
@@ -150,13 +150,16 @@ class LLMServer:
                 log.debug("stats export failed: %s", e)
             await asyncio.sleep(interval_s)
 
-    async def _deltas(self, req: InferenceRequest) -> AsyncIterator[Delta]:
+    async def _deltas(self, req: InferenceRequest, interval_s: float = 0.0) -> AsyncIterator[Delta]:
         greq = self._to_generation_request(req)
         t0 = last = time.monotonic()
         trace = _ReplicaTrace(self._tracer, req, self.variant)
         first = True
+        # coalesced as engine chunks, before the per-chunk work below (metrics, deltas, the Ray message):
+        # under load that work is paid once per message rather than once per token
+        chunks = coalesced(self.engine.generate(greq), merge_chunks, interval_s, lambda c: bool(c.text))
         try:
-            async for c in self.engine.generate(greq):
+            async for c in chunks:
                 now = time.monotonic()
                 if first:
                     metrics.get("ttft").observe(now - t0, tags=self._tags)
@@ -169,6 +172,7 @@ class LLMServer:
                 last = now
                 yield self._delta(req, c)
         finally:
+            await chunks.aclose()  # stops the engine's generator now (an abort), not when collected
             trace.end()
 
     def _delta(self, req: InferenceRequest, c) -> Delta:

@@ -76,6 +76,25 @@ class EngineChunk:
     queue_time_s: float | None = None
 
 
+def merge_chunks(chunks: list[EngineChunk]) -> EngineChunk:
+    """Consecutive chunks of one request as one (what a consumer that fell behind takes at once)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return EngineChunk(
+        request_id=last.request_id,
+        token_ids=[t for c in chunks for t in c.token_ids],
+        text="".join(c.text for c in chunks),
+        logprobs=[x for c in chunks for x in c.logprobs],
+        top_logprobs=(None if any(c.top_logprobs is None for c in chunks)
+                      else [d for c in chunks for d in c.top_logprobs]),
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_generated_tokens=last.num_generated_tokens,
+        queue_time_s=next((c.queue_time_s for c in chunks if c.queue_time_s is not None), None),
+    )
+
+
 @dataclass
 class EngineStats:
     num_waiting: int = 0

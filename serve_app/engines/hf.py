@@ -24,7 +24,6 @@ import asyncio
 import collections
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -118,8 +117,6 @@ class HFEngine(Engine):
     # ---- lifecycle -------------------------------------------------------
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
-        if self.options.switch_interval_ms is not None:
-            sys.setswitchinterval(self.options.switch_interval_ms / 1000.0)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
         self._ready = True

@@ -86,12 +86,6 @@ class HFEngineOptions(StrictModel):
         "graphs are captured, so the elementwise work between GEMMs runs as fused kernels. Costs minutes "
         "at the first start on a node (Inductor then caches its kernels on disk); all before ready.",
     )
-    switch_interval_ms: float | None = Field(
-        None, gt=0, le=100,
-        description="Python's thread switch interval (sys.setswitchinterval) for the process hosting the "
-        "engine: the engine thread shares the GIL with the replica's event loop, and waits up to this "
-        "long for it after each GPU step. None keeps Python's 5 ms.",
-    )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
         description="tensor_parallel_size > 1: a step that some rank has not finished in this time "
