@@ -172,6 +172,7 @@ def main() -> None:
         opts.pop("kv_cache")
     opts.update(dict(args.set))
     gpus = 1 if args.device == "cuda" else 0
+    trace_file = Path(args.work) / "traces.jsonl"
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
     http_port, grpc_port = free_port(), free_port()
     config = parse_config({
@@ -184,7 +185,7 @@ def main() -> None:
                    "ingress_max_ongoing_requests": 4096, "ingress_replicas": args.ingress_replicas,
                    "stream_interval_ms": args.stream_interval_ms},
         "rollout": {"enabled": False},
-        **({"tracing": {"exporter": "file", "file_path": str(Path(args.work) / "traces.jsonl")}}
+        **({"tracing": {"exporter": "file", "file_path": str(trace_file)}}
            if args.trace else {}),
     })
     t0 = time.perf_counter()
@@ -204,7 +205,7 @@ def main() -> None:
     if args.trace:
         for conc in args.concurrency:
             res[f"concurrency_{conc}"]["first_token_legs"] = first_token_breakdown(
-                Path(args.work) / "traces.jsonl", res[f"concurrency_{conc}"]["window_ns"])
+                trace_file, res[f"concurrency_{conc}"]["window_ns"])
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -118,6 +118,19 @@ async def window(base: str, model: str, concurrency: int, seconds: float, rng: r
             "p99_ms": 1000 * percentile(lat, 99)}
 
 
+def memory_summary(samples: list[dict[str, tuple[int, int]]]) -> dict:
+    """From memory_of samples (the first at the start, one after each window): each process's RSS
+    growth start -> end, the worst one, and RSS and shared MB per window (growth that flattens is
+    allocator warm-up; a steady climb is a leak)."""
+    rss0, rss1 = ({k: v[0] for k, v in sample.items()} for sample in (samples[0], samples[-1]))
+    growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
+    worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
+    return {"worst_rss_process": worst[0], "worst_rss_growth_pct": worst[1],
+            "rss_start_mb": {k: v / 1e6 for k, v in rss0.items()}, "rss_growth_pct": growth,
+            "rss_mb_per_window": {k: [m.get(k, (0, 0))[0] / 1e6 for m in samples] for k in rss0},
+            "shared_mb_per_window": {k: [m.get(k, (0, 0))[1] / 1e6 for m in samples] for k in rss0}}
+
+
 def soak_bare_ray(args) -> dict:
     """No Serve at all: Ray's own processes, sampled like soak_one's (a baseline for their growth)."""
     procs = ray_processes()
@@ -126,14 +139,8 @@ def soak_bare_ray(args) -> dict:
     for _ in range(minutes):
         time.sleep(args.minutes * 60 / minutes)
         samples.append(memory_of(procs))
-    rss0, rss1 = ({k: v[0] for k, v in sample.items()} for sample in (samples[0], samples[-1]))
-    growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
-    worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
     return {"engine": "none", "minutes": args.minutes, "requests": 0, "errors": 0,
-            "p99_first_ms": float("nan"), "p99_last_ms": float("nan"), "worst_rss_process": worst[0],
-            "worst_rss_growth_pct": worst[1], "rss_growth_pct": growth,
-            "rss_mb_per_window": {k: [m.get(k, (0, 0))[0] / 1e6 for m in samples] for k in rss0},
-            "shared_mb_per_window": {k: [m.get(k, (0, 0))[1] / 1e6 for m in samples] for k in rss0}}
+            "p99_first_ms": float("nan"), "p99_last_ms": float("nan"), **memory_summary(samples)}
 
 
 def soak_one(name: str, args, port: int) -> dict:
@@ -165,25 +172,16 @@ def soak_one(name: str, args, port: int) -> dict:
         samples.append(memory_of(procs))
         print(json.dumps({"engine": name, "window": i, **w}), flush=True)
         windows.append(w)
-    rss0, rss1 = ({k: v[0] for k, v in sample.items()} for sample in (samples[0], samples[-1]))
-    # growth that flattens is allocator warm-up; a steady climb is a leak
-    trend = {k: [m.get(k, (0, 0))[0] / 1e6 for m in samples] for k in rss0}
-    shared = {k: [m.get(k, (0, 0))[1] / 1e6 for m in samples] for k in rss0}
     growth_by_line = ingress.memory_growth.remote(20).result() if args.tracemalloc else []
     for line in growth_by_line:
         print(f"  ingress {line}", flush=True)
     serve.delete(f"soak-{name}")
-    growth = {k: 100 * (rss1[k] - rss0[k]) / rss0[k] for k in rss0 if k in rss1 and rss0[k]}
-    worst = max(growth.items(), key=lambda kv: kv[1]) if growth else ("-", 0.0)
     return {"engine": name, "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,
             "malloc_arena_max": args.malloc_arena_max or None,
             "stream_fraction": args.stream_fraction,
             "requests": sum(w["requests"] for w in windows),
             "errors": sum(w["errors"] for w in windows), "p99_first_ms": windows[0]["p99_ms"],
-            "p99_last_ms": windows[-1]["p99_ms"], "worst_rss_process": worst[0],
-            "worst_rss_growth_pct": worst[1], "rss_start_mb": {k: v / 1e6 for k, v in rss0.items()},
-            "rss_growth_pct": growth, "rss_mb_per_window": trend, "shared_mb_per_window": shared,
-            "windows": windows,
+            "p99_last_ms": windows[-1]["p99_ms"], **memory_summary(samples), "windows": windows,
             "ingress_python_growth": growth_by_line}
 
 
@@ -202,6 +200,8 @@ def main() -> None:
     p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                    help="trace the Ingress's Python allocations (this many frames) and print what grew")
     args = p.parse_args()
+    if "none" in args.engines and args.engines != ["none"]:
+        p.error("--engines none measures Ray alone and runs by itself")
     import os
 
     # both reach every process of the local Ray started below
@@ -222,7 +222,7 @@ def main() -> None:
         rows = [soak_bare_ray(args)]
     else:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
-        rows = [soak_one(name, args, port) for name in args.engines if name != "none"]
+        rows = [soak_one(name, args, port) for name in args.engines]
         serve.shutdown()
     ray.shutdown()
     save_json(args.out, rows)

@@ -43,7 +43,7 @@ class Delta:
 
 
 def merge_deltas(ds: list[Delta]) -> Delta:
-    """One delta carrying several consecutive ones (fewer messages under load)."""
+    """One delta carrying several consecutive ones (a whole answer, for Completion.from_deltas)."""
     if len(ds) == 1:
         return ds[0]
     want = ds[0].tokens is not None

@@ -13,9 +13,10 @@ gone out (``visible``: a token that completes no character, or a stop-string
 prefix held back, has no text), later ones at most once per interval, merged.
 Pacing from a textless first token would hold the first visible text back by
 a whole interval (the test shows it with a 0.5 s interval). On a GPU each of
-64 streams makes ~100 tokens/s; one message per token through replica -> ingress -> proxy costs more CPU than
-the serving processes have (measured: the stack delivered 43 % of the
-engine's tokens at 64 streams without it; docs/benchmarks.md).
+64 streams makes ~100 tokens/s; one message per token through replica ->
+ingress -> proxy costs more CPU than the serving processes have (measured:
+the stack delivered 43 % of the engine's tokens at 64 streams without it;
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
