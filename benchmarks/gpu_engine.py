@@ -143,18 +143,23 @@ async def run(args) -> dict:
         (r["e2e_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in sampled)
     save()
 
-    for conc in (32, 64):
-        results[f"concurrency_{conc}"] = await concurrent_load(
-            lambda i, p: one(engine, f"c{conc}-{i}", p, args.output), conc, prompt, rng)
-        results[f"concurrency_{conc}"]["forward_passes"] = engine.stats().forward_passes
+    async def load(key, conc, rid):
+        passes = engine.stats().forward_passes
+        results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, prompt, rng)
+        results[key]["forward_passes"] = engine.stats().forward_passes - passes
         save()
-    # the same loads with another prefill pass size (2026-12-02 on the H200: 2048 and 8192 gave the same
-    # throughput, and 2048 the lower TTFT tail, so 2048 is the main setting and 8192 the comparison)
-    engine.options.max_prefill_tokens = args.compare_prefill_tokens
+
     for conc in (32, 64):
-        results[f"concurrency_{conc}_prefill{args.compare_prefill_tokens}"] = await concurrent_load(
-            lambda i, p: one(engine, f"p{conc}-{i}", p, args.output), conc, prompt, rng)
-        save()
+        await load(f"concurrency_{conc}", conc, f"c{conc}")
+    # the same loads under other scheduling options, changed on the live engine (no second compile)
+    for k, change in enumerate(args.compare):
+        base = {key: getattr(engine.options, key) for key in change}
+        for key, value in change.items():
+            setattr(engine.options, key, value)
+        for conc in (32, 64):
+            await load(f"concurrency_{conc}_{compare_tag(change)}", conc, f"p{k}-{conc}")
+        for key, value in base.items():
+            setattr(engine.options, key, value)
     if slots is not None and slots.use_graphs:
         results["graph_replay_ms"] = graph_replay_ms(slots)
         save()
@@ -234,6 +239,21 @@ def _option(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(f"{key}: {value!r} is not JSON") from e
 
 
+def compare_tag(change: dict) -> str:
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in change.items())
+
+
+def _options(text: str) -> dict:
+    return dict(_option(part) for part in text.split(","))
+
+
+# 2026-12-02 on the H200: prefill passes of 2048 and 8192 tokens gave the same throughput and 2048 the
+# lower TTFT tail, so 2048 is the main setting; mixed prefill (2026-12-03) is compared with separate
+# passes and with smaller packed passes
+DEFAULT_COMPARE = [{"max_prefill_tokens": 8192}, {"mixed_prefill": False}, {"max_prefill_tokens": 1024},
+                   {"max_prefill_tokens": 512}]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokenizer", required=True, help="a tokenizer directory (ids are drawn at random anyway)")
@@ -241,12 +261,14 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
-    p.add_argument("--compare-prefill-tokens", type=int, default=8192,
-                   help="max_prefill_tokens of the second pair of concurrent runs")
+    p.add_argument("--compare", action="append", type=_options, metavar="KEY=JSON[,KEY=JSON]",
+                   help="scheduling options for another pair of concurrent runs on the same engine "
+                        f"(repeatable); default: {', '.join(compare_tag(c) for c in DEFAULT_COMPARE)}")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="an engine option over the benchmark's own, e.g. --set cuda_graph_span_step=128")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
+    args.compare = DEFAULT_COMPARE if args.compare is None else args.compare
     res = asyncio.run(run(args))
     floor_ms = 3.6
     s = res["single"]
@@ -260,15 +282,18 @@ def main() -> None:
     print(f"{'  step with temperature 1 (ms)':<34}{s['sampled_decode_step_ms']:>12.2f}")
     c64, c32 = res["concurrency_64"], res["concurrency_32"]
     print(f"{'output tok/s at 64 concurrent':<34}{c64['output_tok_s']:>12.0f}  >= 6000")
+    print(f"{'  forward passes at 64 / 32':<34}{c64['forward_passes']:>12d}{c32['forward_passes']:>8d}")
     print(f"{'TTFT p95 at 32 concurrent (ms)':<34}{c32['ttft_p95_ms']:>12.0f}  <= 200")
     print(f"{'TTFT p50 at 32 concurrent (ms)':<34}{c32['ttft_p50_ms']:>12.0f}")
     print(f"{'  to the first text, p95 / p50':<34}{c32['ttft_text_p95_ms']:>12.0f}{c32['ttft_text_p50_ms']:>8.0f}")
     print(f"{'single-stream TTFT / first text':<34}{s['ttft_ms']:>12.1f}{s['ttft_text_ms']:>8.1f}")
-    other = args.compare_prefill_tokens
-    for conc in (32, 64):
-        r = res[f"concurrency_{conc}_prefill{other}"]
-        print(f"{f'max_prefill_tokens {other}, {conc}: tok/s':<34}{r['output_tok_s']:>12.0f}")
-        print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
+    for change in args.compare:
+        print(f"with {compare_tag(change)}:")
+        for conc in (32, 64):
+            r = res[f"concurrency_{conc}_{compare_tag(change)}"]
+            print(f"{f'  {conc} concurrent: tok/s':<34}{r['output_tok_s']:>12.0f}")
+            print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
+            print(f"{f'  forward passes':<34}{r['forward_passes']:>12d}")
     for rows, ms in res.get("graph_replay_ms", {}).items():
         print(f"{f'graph replay alone, batch {rows} (ms)':<34}{ms:>12.2f}")
 
