@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import percentile  # noqa: E402
+from serve_app import gcpause  # noqa: E402
 
 QWEN7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
               intermediate_size=18944, vocab_size=152064, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -111,16 +112,20 @@ async def run(args) -> dict:
     engine = create_engine("hf", options)
     await engine.start()
     ready_s = time.perf_counter() - t0
+    gc_pauses = gcpause.pauses()
+    if args.gc_freeze:  # as the LLM server replica does after its engine started (server.gc_freeze)
+        gcpause.freeze_startup_objects()
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(1000, 40000) for _ in range(args.prompt)]  # noqa: E731
     results = {"build_model_s": build_s, "engine_ready_s": ready_s, "gpu": torch.cuda.get_device_name(0),
-               "kv_cache": args.kv_cache, "options": options}
+               "kv_cache": args.kv_cache, "options": options, "gc_freeze": args.gc_freeze}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every phase: a run cut short by a time limit still leaves what it measured
         # a variant (another kv_cache, --set) gets its own file: gpu_stack.py compares with gpu_engine.json
-        tag = "".join(f"_{x}" for x in ([args.kv_cache] if args.kv_cache != "auto" else []) + [k for k, _ in args.set])
+        tag = "".join(f"_{x}" for x in ([args.kv_cache] if args.kv_cache != "auto" else []) + [k for k, _ in args.set]
+                      + ([] if args.gc_freeze else ["no-gc-freeze"]))
         (out_dir / f"gpu_engine{tag}.json").write_text(
             json.dumps(results, indent=2))
 
@@ -147,6 +152,7 @@ async def run(args) -> dict:
         passes = engine.stats().forward_passes
         results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, prompt, rng)
         results[key]["forward_passes"] = engine.stats().forward_passes - passes
+        results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
         save()
 
     for conc in (32, 64):
@@ -248,10 +254,8 @@ def _options(text: str) -> dict:
 
 
 # 2026-12-02 on the H200: prefill passes of 2048 and 8192 tokens gave the same throughput and 2048 the
-# lower TTFT tail, so 2048 is the main setting; mixed prefill (2026-12-03) is compared with separate
-# passes and with smaller packed passes
-DEFAULT_COMPARE = [{"max_prefill_tokens": 8192}, {"mixed_prefill": False}, {"max_prefill_tokens": 1024},
-                   {"max_prefill_tokens": 512}]
+# lower TTFT tail, so 2048 is the main setting and 8192 the comparison
+DEFAULT_COMPARE = [{"max_prefill_tokens": 8192}]
 
 
 def main() -> None:
@@ -266,6 +270,8 @@ def main() -> None:
                         f"(repeatable); default: {', '.join(compare_tag(c) for c in DEFAULT_COMPARE)}")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="an engine option over the benchmark's own, e.g. --set cuda_graph_span_step=128")
+    p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                   help="leave the startup objects to Python's collector (the server freezes them)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
     args.compare = DEFAULT_COMPARE if args.compare is None else args.compare
@@ -294,6 +300,9 @@ def main() -> None:
             print(f"{f'  {conc} concurrent: tok/s':<34}{r['output_tok_s']:>12.0f}")
             print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
             print(f"{f'  forward passes':<34}{r['forward_passes']:>12d}")
+    gc_last = c64["gc"]
+    print(f"{'GC full collections / longest (ms)':<34}{gc_last['collections'][2]:>12d}{gc_last['pause_max_ms'][2]:>8.1f}"
+          f"  (freeze {'on' if args.gc_freeze else 'off'}, through the 64-concurrent load)")
     for rows, ms in res.get("graph_replay_ms", {}).items():
         print(f"{f'graph replay alone, batch {rows} (ms)':<34}{ms:>12.2f}")
 

@@ -109,42 +109,6 @@ def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_a_mixed_pass_decodes_and_prefills_what_separate_passes_do():
-    model = _tiny("qwen2")
-    fuse_projections(model)
-    apart, mixed = _decoder(model, compile_step=False), _decoder(model, compile_step=False)
-    running = {0: [11, 12, 13, 14, 15], 3: [21, 22, 23]}
-    new = {1: [31, 32, 33, 34], 5: [41, 42, 43, 44, 45, 46, 47]}
-    with torch.inference_mode():
-        for dec in (apart, mixed):
-            dec.prefill(list(running.values()), list(running), 0)
-            for slot, prompt in running.items():
-                dec.positions[slot], dec.tokens[slot], dec.active[slot] = len(prompt), 100 + slot, 1
-        # apart: a decode step over rows 0..3 (slots 1 and 2 idle), then a prefill pass of the new prompts
-        step_logits, _, _ = apart._step(4, 6)
-        prefill_logits = apart.prefill(list(new.values()), list(new), 0)
-        logits, chosen, logprob, slots = mixed.mixed(list(running), [len(p) for p in running.values()],
-                                                     list(new.values()), list(new))
-        torch.testing.assert_close(logits[:2], step_logits[[0, 3]], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(logits[2:], prefill_logits, rtol=1e-4, atol=1e-4)
-        assert slots.tolist() == [0, 3, 1, 5]
-        assert chosen.tolist() == logits.argmax(-1).tolist()
-        torch.testing.assert_close(logprob, torch.log_softmax(logits.float(), -1).gather(1, chosen[:, None])[:, 0])
-        # the next step's inputs: greedy tokens written, positions moved on, new slots active
-        assert mixed.tokens[slots].tolist() == chosen.tolist()
-        assert mixed.positions[slots].tolist() == [6, 4, 4, 7]
-        assert mixed.active.tolist() == [1, 1, 0, 1, 0, 1, 0, 0]
-        # the KV each slot will attend to is the same either way
-        for layer in range(len(apart.cache.keys)):
-            for slot, length in ((0, 6), (3, 4), (1, 4), (5, 7)):
-                for a, b in ((apart.cache.keys, mixed.cache.keys), (apart.cache.values, mixed.cache.values)):
-                    torch.testing.assert_close(b[layer][slot, :, :length], a[layer][slot, :, :length],
-                                               rtol=1e-4, atol=1e-4)
-        # a one-token prompt with nothing running is a pass of one token: still a prefill
-        one, _, _, _ = mixed.mixed([], [], [[77]], [2])
-        torch.testing.assert_close(one, apart.prefill([[77]], [2], 0), rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled CUDA-graph decode needs a GPU")
 @pytest.mark.asyncio
 async def test_compiled_cuda_engine_answers_like_the_eager_one(embedded_model_dir):

@@ -198,32 +198,3 @@ async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_mo
     finally:
         await dyn.shutdown()
         await slots.shutdown()
-
-
-async def test_mixed_prefill_keeps_running_streams_decoding_and_answers_the_same(embedded_model_dir):
-    opts = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 512, "kv_cache": "static"}
-    prompts = None
-    results = {}
-    for mixed in (False, True):
-        eng = create_engine("hf", {**opts, "mixed_prefill": mixed})
-        await eng.start()
-        try:
-            prompts = prompts or [eng.encode_chat([{"role": "user", "content": q}]) for q in
-                                  ("Count to ten.", "Name three rivers.", "What is two plus two?")]
-            before = eng.stats().forward_passes
-            outs, started = [], []
-            for i, p in enumerate(prompts):
-                # each prompt arrives while the earlier ones are decoding (after their first token)
-                gen = eng.generate(GenerationRequest(f"m{i}", p, SamplingParams(max_tokens=24, temperature=0,
-                                                                                  ignore_eos=True)))
-                first = await gen.__anext__()
-                started.append((first, gen))
-            for first, gen in started:
-                outs.append(first.token_ids + [t for c in [c async for c in gen] for t in c.token_ids])
-            results[mixed] = (outs, eng.stats().forward_passes - before)
-        finally:
-            await eng.shutdown()
-    (apart, passes_apart), (mixed, passes_mixed) = results[False], results[True]
-    assert mixed == apart and all(len(o) == 24 for o in mixed)
-    # apart, the 2nd and 3rd prefills each stop the running streams for a pass; mixed, those passes decode too
-    assert passes_mixed <= passes_apart - 2, (passes_mixed, passes_apart)

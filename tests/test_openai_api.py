@@ -115,6 +115,9 @@ def test_sixteen_concurrent_requests_are_batched(smol):
     generated = sum(r.usage.completion_tokens for r in results)
     # sequential decoding needs a forward pass per generated token (plus prefills)
     assert passes < generated / 2, (passes, generated)
+    # the replica froze its startup objects (server.gc_freeze) and reports its collections
+    gc_stats = after["gc"]
+    assert gc_stats["frozen_objects"] > 10_000 and len(gc_stats["collections"]) == 3
 
 
 def test_stream_of_chinese_and_emoji_never_breaks_characters(smol):

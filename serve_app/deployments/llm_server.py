@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 import ray
 
-from serve_app import metrics
+from serve_app import gcpause, metrics
 from autoscale.gpu import GpuUtilSmoother, make_gpu_source
 from autoscale.ray_policy import GPU_METRIC, OCCUPANCY_METRIC, QUEUE_METRIC
 from cluster.nccl import detect
@@ -48,6 +48,7 @@ class LLMServer:
         sampling: dict | None = None,
         tracing: dict | None = None,
         stream_interval_s: float = 0.0,
+        gc_freeze: bool = True,
     ):
         self.model_name = model_name
         self.variant = variant
@@ -82,6 +83,9 @@ class LLMServer:
         self._load_time_s = float(getattr(self.engine, "load_time_s", 0.0) or 0.0)
         self._last_counts = (0, 0)
         self._stats_task = asyncio.get_running_loop().create_task(self._export_stats())
+        self._gc = gcpause.pauses()
+        if gc_freeze:
+            gcpause.freeze_startup_objects()
         log.info("LLMServer %s/%s ready (backend %s)", model_name, variant, backend)
 
     def _to_generation_request(self, req: InferenceRequest) -> GenerationRequest:
@@ -212,6 +216,7 @@ class LLMServer:
         last = self.gpu.last
         s["gpu_memory_used_bytes"] = last.memory_used_bytes if last else None
         s["gpu_memory_total_bytes"] = last.memory_total_bytes if last else None
+        s["gc"] = self._gc.snapshot()
         return s
 
     async def check_health(self) -> None:

@@ -9,11 +9,6 @@ from the batch (and the cache) right away, so new requests join on the next
 iteration instead of waiting for the whole batch to drain — the
 continuous-batching scheme of Orca / TGI, on transformers' ``DynamicCache``.
 
-With the static KV slots (the GPU default) a step is launched before the
-previous one is read, so the host's bookkeeping overlaps the GPU, and new
-prompts are prefilled inside a decode step of the running sequences (a mixed
-pass, ``mixed_prefill``) instead of in a pass of their own that stops them.
-
 Sampling is per request (temperature, top_p, seed) on the batch's logits.
 Logprobs are of the model's unmodified distribution.
 
@@ -417,25 +412,22 @@ class HFEngine(Engine):
         self._waiting = collections.deque(s for s in self._waiting if not s.finished)
         self._drop_finished()
 
-    def _admit(self, packed_pass: bool = False) -> list[_Seq]:
+    def _admit(self) -> list[_Seq]:
         new: list[_Seq] = []
         reserved = sum(s.reserved_tokens for s in self._running)
-        longest = packed = 0
+        longest = 0
         opts = self.options
         while self._waiting and len(self._running) + len(new) < opts.max_num_seqs:
             seq = self._waiting[0]
             if reserved + seq.reserved_tokens > opts.max_kv_tokens:
                 break
             n = len(seq.req.prompt_token_ids)
-            # a padded batch costs rows x longest; a packed (mixed) pass only its tokens
-            cost = packed + n if packed_pass else (len(new) + 1) * max(longest, n)
-            if new and cost > opts.max_prefill_tokens:
+            if new and (len(new) + 1) * max(longest, n) > opts.max_prefill_tokens:
                 break
             self._waiting.popleft()
             new.append(seq)
             reserved += seq.reserved_tokens
             longest = max(longest, n)
-            packed += n
         return new
 
     def _iteration(self) -> None:
@@ -449,16 +441,7 @@ class HFEngine(Engine):
 
     # ---- static slots ------------------------------------------------------
     def _iteration_static(self) -> None:
-        mix = self.options.mixed_prefill and self._slots.can_mix
-        new = self._admit(packed_pass=mix)
-        busy = [s for s in self._running if not s.finished]
-        if new and mix and all(s.fast_sampling for s in busy + new):
-            launched = self._launch_mixed(busy, new)
-            self._read_inflight()
-            self._inflight = launched
-            if self._slots.device.type != "cuda":
-                self._read_inflight()
-            return
+        new = self._admit()
         if new:
             self._prefill_static(new)
         busy = [s for s in self._running if not s.finished]
@@ -502,83 +485,41 @@ class HFEngine(Engine):
     def _launch_fast(self, busy: list[_Seq]):
         """Queue one decode step and its sampling on the GPU; the next step's inputs are
         written on the device, so nothing waits for the host."""
+        import torch
+
         rows, span = self._rows_and_span(busy)
         logits, chosen, lp = (t[:rows] for t in self._slots.decode(rows, span))  # greedy, inside the step
         self._stats.forward_passes += 1
-        hot = [(s.slot, s.req.sampling.temperature) for s in busy if s.req.sampling.temperature > 0]
+        hot = [s for s in busy if s.req.sampling.temperature > 0]
         if hot:
-            chosen, lp = self._draw(logits, hot)
+            logits = logits.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            # pinned and non-blocking: a copy from pageable memory would make the host wait for the
+            # step in flight, and sampled requests would lose the host/GPU overlap
+            pin = self._slots.device.type == "cuda"
+            temps = torch.ones(rows, dtype=torch.float32, pin_memory=pin)
+            greedy = torch.ones(rows, dtype=torch.bool, pin_memory=pin)
+            for s in hot:
+                temps[s.slot] = s.req.sampling.temperature
+                greedy[s.slot] = False
+            temps = temps.to(self.device, non_blocking=True).unsqueeze(1)
+            greedy = greedy.to(self.device, non_blocking=True).unsqueeze(1)
+            # Gumbel-max: argmax(logits / T + G) is a draw from softmax(logits / T)
+            gumbel = -torch.empty_like(logits).exponential_().log()
+            chosen = torch.where(greedy, logits, logits / temps + gumbel).argmax(dim=-1)
+            lp = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
             self._slots.tokens[:rows].copy_(chosen)
         for s in busy:
             s.pos += 1
-        return self._to_host(busy, chosen, lp, rows)
-
-    def _launch_mixed(self, busy: list[_Seq], new: list[_Seq]):
-        """Queue one pass that decodes `busy` and prefills `new` (SlotDecoder.mixed); read like a
-        decode step, so the host overlaps it the same way."""
-        import heapq
-
-        import torch
-
-        now = time.monotonic()
-        for s in new:
-            s.queue_time_s = now - s.submitted_s
-            s.slot = heapq.heappop(self._free)
-        # running before the forward pass: if it fails, they fail with the batch and their slots are freed
-        self._running.extend(new)
-        logits, chosen, lp, out_slots = self._slots.mixed(
-            [s.slot for s in busy], [s.pos for s in busy], [s.req.prompt_token_ids for s in new], [s.slot for s in new])
-        self._stats.forward_passes += 1
-        rows_in_order = busy + new
-        hot = [(i, s.req.sampling.temperature) for i, s in enumerate(rows_in_order) if s.req.sampling.temperature > 0]
-        if hot:
-            chosen, lp = self._draw(logits, hot)
-            self._slots.tokens.index_copy_(0, out_slots, chosen)
-        for s in busy:
-            s.pos += 1
-        for s in new:
-            s.pos = len(s.req.prompt_token_ids)
-            self._stats.prompt_tokens += s.pos
-        # the host reads tokens by slot, as after a decode step
-        rows = max(s.slot for s in rows_in_order) + 1
-        by_slot = torch.zeros(rows, dtype=chosen.dtype, device=chosen.device).index_copy_(0, out_slots, chosen)
-        lp_by_slot = torch.zeros(rows, dtype=lp.dtype, device=lp.device).index_copy_(0, out_slots, lp)
-        return self._to_host(rows_in_order, by_slot, lp_by_slot, rows)
-
-    def _draw(self, logits, hot: list[tuple[int, float]]):
-        """Samples rows `hot` (row, temperature) of `logits` on the device; the others stay greedy.
-        Returns (tokens, logprobs) for every row."""
-        import torch
-
-        logits = logits.float()
-        lse = torch.logsumexp(logits, dim=-1)
-        n = logits.shape[0]
-        # pinned and non-blocking: a copy from pageable memory would make the host wait for the
-        # step in flight, and sampled requests would lose the host/GPU overlap
-        pin = self._slots.device.type == "cuda"
-        temps = torch.ones(n, dtype=torch.float32, pin_memory=pin)
-        greedy = torch.ones(n, dtype=torch.bool, pin_memory=pin)
-        for row, temperature in hot:
-            temps[row] = temperature
-            greedy[row] = False
-        temps = temps.to(self.device, non_blocking=True).unsqueeze(1)
-        greedy = greedy.to(self.device, non_blocking=True).unsqueeze(1)
-        # Gumbel-max: argmax(logits / T + G) is a draw from softmax(logits / T)
-        gumbel = -torch.empty_like(logits).exponential_().log()
-        chosen = torch.where(greedy, logits, logits / temps + gumbel).argmax(dim=-1)
-        return chosen, logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
-
-    def _to_host(self, seqs: list[_Seq], tok_by_slot, lp_by_slot, rows: int):
-        """Starts the copy of a launched step's tokens to the host; `_read_inflight` finishes it."""
         if self._slots.device.type == "cuda":
             host_tok, host_lp, event = self._host[self._host_turn]
             self._host_turn ^= 1
-            host_tok[:rows].copy_(tok_by_slot, non_blocking=True)
-            host_lp[:rows].copy_(lp_by_slot, non_blocking=True)
+            host_tok[:rows].copy_(chosen, non_blocking=True)
+            host_lp[:rows].copy_(lp, non_blocking=True)
             event.record()
         else:
-            host_tok, host_lp, event = tok_by_slot, lp_by_slot, None
-        return [(s.slot, s) for s in seqs], host_tok, host_lp, event, rows
+            host_tok, host_lp, event = chosen, lp, None
+        return [(s.slot, s) for s in busy], host_tok, host_lp, event, rows
 
     def _read_inflight(self) -> None:
         if self._inflight is None:

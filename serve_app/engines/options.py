@@ -49,13 +49,6 @@ class HFEngineOptions(StrictModel):
     max_prefill_tokens: int = Field(
         4096, ge=16, description="Padded prompt tokens one prefill forward pass may take."
     )
-    mixed_prefill: bool = Field(
-        True,
-        description="Static KV path: new prompts are prefilled in the same forward pass as a decode step of "
-        "the running sequences (packed, up to max_prefill_tokens), so running streams keep decoding while "
-        "prompts arrive instead of waiting for a prefill pass. Requests that sample on the host (seed, "
-        "top_p < 1, top_logprobs) fall back to separate passes.",
-    )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length; default: the model's max_position_embeddings."
     )

@@ -39,9 +39,6 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     b, h, q, d = query.shape
     kvh = key.shape[1]
     if q > 1:
-        mixed = getattr(module, "_slot_mixed", None)  # only ever read here: the compiled decode step has q == 1
-        if mixed is not None:
-            return mixed.attention(module.layer_idx, query, key, value, scaling), None
         # prefill: each prompt attends to itself only (right padding never reaches a real token)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                              enable_gqa=h != kvh)
@@ -54,49 +51,6 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, KVH, g, d]
     return out.reshape(b, 1, h, d), None
-
-
-class MixedLayout:
-    """Where each token of a mixed pass (SlotDecoder.mixed) belongs, for its attention.
-
-    The pass packs ``num_decode`` decode tokens (one per busy slot) and then
-    whole prompts into one row of ``T`` tokens. Decode tokens attend to their
-    slot's cached keys, as in a decode step; each prompt attends causally to
-    itself only (a new sequence has nothing cached yet).
-    """
-
-    def __init__(self, cache: "SlotKVCache", num_decode: int, rows: int, span: int, busy_slots, decode_mask,
-                 prompt_lens: list[int]):
-        self.cache, self.num_decode, self.rows, self.span = cache, num_decode, rows, span
-        self.busy_slots, self.decode_mask, self.prompt_lens = busy_slots, decode_mask, prompt_lens
-
-    def attention(self, layer_idx: int, query, key, value, scaling):
-        """query/key/value [1, H or KVH, T, d] (key/value: this pass's own); returns [1, T, H, d]."""
-        import torch
-        import torch.nn.functional as F
-
-        _, h, _, d = query.shape
-        kvh = key.shape[1]
-        outs = []
-        if self.num_decode:
-            # the decode tokens as rows 0..rows-1 of the cache, like a decode step; rows no busy slot
-            # owns compute a throwaway result (their mask keeps position 0, so no row is all -inf)
-            q_rows = query.new_zeros(self.rows, h, d).index_copy_(
-                0, self.busy_slots, query[0, :, : self.num_decode].transpose(0, 1))
-            keys = self.cache.keys[layer_idx][: self.rows, :, : self.span]
-            values = self.cache.values[layer_idx][: self.rows, :, : self.span]
-            scores = torch.matmul(q_rows.reshape(self.rows, kvh, h // kvh, d), keys.transpose(-1, -2)).float()
-            scores = (scores * scaling).masked_fill(~self.decode_mask, float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-            outs.append(out.reshape(self.rows, h, d).index_select(0, self.busy_slots))
-        start = self.num_decode
-        for n in self.prompt_lens:
-            span = slice(start, start + n)
-            out = F.scaled_dot_product_attention(query[:, :, span], key[:, :, span], value[:, :, span],
-                                                 is_causal=True, scale=scaling, enable_gqa=h != kvh)
-            outs.append(out[0].transpose(0, 1))
-            start += n
-        return torch.cat(outs, dim=0).unsqueeze(0)
 
 
 def register_attention() -> None:
@@ -131,10 +85,6 @@ class SlotKVCache:
         self._mode, self._slot_ids = "prefill", slot_ids
         return self
 
-    def for_mixed(self, slot_of, pos_of) -> "SlotKVCache":
-        self._mode, self._slot_ids, self._write_pos = "mixed", slot_of, pos_of
-        return self
-
     def for_decode(self, rows: int, span: int, write_pos) -> "SlotKVCache":
         self._mode, self._rows, self._span, self._write_pos = "decode", rows, span, write_pos
         return self
@@ -145,11 +95,6 @@ class SlotKVCache:
             n = key_states.shape[2]
             k[:, :, :n].index_copy_(0, self._slot_ids, key_states)
             v[:, :, :n].index_copy_(0, self._slot_ids, value_states)
-            return key_states, value_states
-        if self._mode == "mixed":
-            # token t of the packed row goes to slot slot_of[t] at position pos_of[t]
-            k[self._slot_ids, :, self._write_pos] = key_states[0].transpose(0, 1)
-            v[self._slot_ids, :, self._write_pos] = value_states[0].transpose(0, 1)
             return key_states, value_states
         rows = self.row_ids[: self._rows]
         k[rows, :, self._write_pos] = key_states[:, :, 0]
@@ -215,10 +160,6 @@ class SlotDecoder:
         self.capture_s = 0.0
         self.compile_s = 0.0
         self.compile_error: str | None = None
-        layers = getattr(self.decoder, "layers", [])
-        self._attn = [getattr(layer, "self_attn", None) for layer in layers]
-        # mixed passes route attention through the layers' own modules (Llama-family layout)
-        self.can_mix = bool(self._attn) and all(hasattr(a, "layer_idx") for a in self._attn)
 
     # ---- steps -------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], pad_id: int):
@@ -237,65 +178,6 @@ class SlotDecoder:
                               past_key_values=self.cache.for_prefill(slot_ids), use_cache=True).last_hidden_state
         last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long).to(self.device, non_blocking=True)
         return self.lm_head(hidden[torch.arange(n, device=self.device), last])
-
-    def mixed(self, busy_slots: list[int], busy_pos: list[int], prompts: list[list[int]], new_slots: list[int]):
-        """One forward pass that decodes a token for every busy slot *and* prefills ``prompts`` into
-        ``new_slots`` (chunked-prefill scheduling, as vLLM and TensorRT-LLM do it).
-
-        Why: a prefill pass alone leaves every running sequence waiting for it (a 2,048-token pass of
-        a 7B model is ~50 ms on an H200), and at up to ~150 rows a decode step's GEMMs cost about what
-        reading the weights costs, so the decode rows ride along almost free. The pass runs eagerly
-        (its length varies); decode steps without prompts keep their CUDA graphs.
-
-        ``busy_pos[i]`` is where busy slot i's next token goes; that token is read on the device from
-        ``tokens`` (the step in flight may not have finished). Returns (logits, greedy tokens, their
-        logprobs, slots) for the busy slots then the prompts' last positions; like a decode step it
-        writes the greedy tokens to ``tokens`` and moves the positions on, and it marks the new slots
-        active.
-        """
-        import itertools
-
-        import torch
-
-        d, lens = len(busy_slots), [len(p) for p in prompts]
-        n_prompt = sum(lens)
-        ends = [d + e - 1 for e in itertools.accumulate(lens)]
-        host = torch.tensor(busy_slots + busy_pos + [t for p in prompts for t in p]
-                            + [i for n in lens for i in range(n)]
-                            + [s for s, n in zip(new_slots, lens) for _ in range(n)]
-                            + list(range(d)) + ends + new_slots + lens, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # a pageable copy would make the host wait for the step in flight
-        bslots, bpos, ids_p, pos_p, slot_p, last, nslots, lens_t = host.to(self.device, non_blocking=True).split(
-            [d, d, n_prompt, n_prompt, n_prompt, d + len(lens), len(lens), len(lens)])
-        ids = torch.cat([self.tokens.index_select(0, bslots), ids_p]).unsqueeze(0)
-        pos = torch.cat([bpos, pos_p])
-        rows = max(busy_slots) + 1 if d else 0
-        span = max(busy_pos) + 1 if d else 0
-        mask = None
-        if d:
-            row_pos = torch.zeros(rows, dtype=torch.long, device=self.device).index_copy_(0, bslots, bpos)
-            mask = (self.span_ids[:span].unsqueeze(0) <= row_pos.unsqueeze(1))[:, None, None, :]
-        layout = MixedLayout(self.cache, d, rows, span, bslots, mask, lens)
-        dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        for attn in self._attn:
-            attn._slot_mixed = layout
-        try:
-            hidden = self.decoder(input_ids=ids, position_ids=pos.unsqueeze(0), attention_mask=dummy_mask,
-                                  past_key_values=self.cache.for_mixed(torch.cat([bslots, slot_p]), pos),
-                                  use_cache=True).last_hidden_state
-        finally:
-            for attn in self._attn:
-                attn._slot_mixed = None
-        logits = self.lm_head(hidden[0].index_select(0, last))
-        scores = logits.float()
-        chosen = scores.argmax(dim=-1)
-        logprob = scores.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(scores, dim=-1)
-        out_slots = torch.cat([bslots, nslots])
-        self.tokens.index_copy_(0, out_slots, chosen)
-        self.positions.index_copy_(0, out_slots, torch.cat([bpos + 1, lens_t]))
-        self.active.index_fill_(0, nslots, 1)
-        return logits, chosen, logprob, out_slots
 
     def _step(self, rows: int, span: int):
         import torch
