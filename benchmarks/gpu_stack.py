@@ -148,7 +148,6 @@ def main() -> None:
     p.add_argument("--ingress-replicas", type=int, default=4, help="server.ingress_replicas")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="an engine option over the benchmark's own, e.g. --set compile_decode=false")
-    p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false", help="server.gc_freeze: false")
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
@@ -184,7 +183,7 @@ def main() -> None:
         }]}],
         "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
                    "ingress_max_ongoing_requests": 4096, "ingress_replicas": args.ingress_replicas,
-                   "stream_interval_ms": args.stream_interval_ms, "gc_freeze": args.gc_freeze},
+                   "stream_interval_ms": args.stream_interval_ms},
         "rollout": {"enabled": False},
         **({"tracing": {"exporter": "file", "file_path": str(trace_file)}}
            if args.trace else {}),
@@ -200,7 +199,7 @@ def main() -> None:
     stats = httpx.get(f"{base}/admin/engine-stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
                       timeout=60).json()["bench/stable"]
     res["engine_forward_passes"] = stats.get("forward_passes")
-    res["replica_gc"] = stats.get("gc")  # the LLM server process's collections over the whole run
+    res["replica_gc"] = stats.get("gc")  # the LLM server process's collections since its constructor
     if args.trace:
         time.sleep(2)  # the replicas' span processors export every 0.5 s
     ray.shutdown()
@@ -211,7 +210,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "".join(f"_{k}" for k, _ in args.set) + ("" if args.gc_freeze else "_no-gc-freeze")
+    tag = "".join(f"_{k}" for k, _ in args.set)
     (out / f"gpu_stack{tag}.json").write_text(json.dumps(res, indent=2))
     alone_path = out / "gpu_engine.json"
     alone = json.loads(alone_path.read_text()) if alone_path.exists() else None
@@ -248,7 +247,7 @@ def main() -> None:
     if g:
         print(f"{'replica GC full collections':<34}{g['collections'][2]:>10d}  longest {g['pause_max_ms'][2]:.1f} ms, "
               f"{g['pause_total_ms'][2]:.0f} ms in all; young: {sum(g['collections'][:2])} collections, "
-              f"{sum(g['pause_total_ms'][:2]):.0f} ms (freeze {'on' if args.gc_freeze else 'off'})")
+              f"{sum(g['pause_total_ms'][:2]):.0f} ms (the first full one is Ray Serve's startup collect + freeze)")
 
 
 if __name__ == "__main__":

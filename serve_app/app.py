@@ -39,7 +39,7 @@ def autoscaling_config(v: VariantConfig) -> AutoscalingConfig | None:
 
 
 def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, tracing: dict,
-                    stream_interval_ms: float = 0.0, gc_freeze: bool = True):
+                    stream_interval_ms: float = 0.0):
     max_ongoing = v.effective_max_ongoing_requests()
     scaling = autoscaling_config(v)
     replicas = {"autoscaling_config": scaling} if scaling else {"num_replicas": v.num_replicas}
@@ -76,7 +76,6 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, traci
         sampling=v.sampling.model_dump() if v.sampling else None,
         tracing=tracing,
         stream_interval_s=stream_interval_ms / 1000.0,
-        gc_freeze=gc_freeze,
     )
 
 
@@ -86,7 +85,7 @@ def build_app(config: AppConfig):
         for v in m.variants:
             handles.setdefault(m.name, {})[v.name] = _llm_deployment(
                 m.name, v, config.limits.max_tokens_default, config.tracing.model_dump(),
-                config.server.stream_interval_ms, config.server.gc_freeze)
+                config.server.stream_interval_ms)
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=config.server.ingress_replicas,

@@ -281,13 +281,6 @@ class ServerConfig(StrictModel):
         "this interval, merged (vLLM's stream_interval). 0 sends every token as soon as the "
         "transport is free. 20-50 keeps many fast GPU streams from saturating the serving processes.",
     )
-    gc_freeze: bool = Field(
-        True,
-        description="Once a replica (LLM server or ingress) has started, freeze the objects it holds "
-        "(gc.freeze) so Python's full garbage collections, which stop the engine's thread for their "
-        "length, walk only what requests allocate. Each LLM server reports its collections and pauses "
-        "under gc in /admin/engine-stats.",
-    )
 
     @model_validator(mode="after")
     def _check(self) -> "ServerConfig":

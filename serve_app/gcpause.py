@@ -1,15 +1,16 @@
-"""Python's garbage collector in the serving processes: pauses measured, startup objects frozen.
+"""Python's garbage-collector pauses in a serving process, counted.
 
-Why: a full (generation-2) collection walks every tracked object in the process
-and holds the GIL while it does. A replica holds torch, transformers, Ray and,
-after a compile, Dynamo's and Inductor's objects: ~440k objects in the CPU
-SmolLM2 replica, whose full collection took 147 ms on the CI box. Python starts
-one whenever enough young objects have survived, so under load the engine's
-thread stops launching GPU steps and every stream stalls for that long, at
-random. ``gc.freeze()`` after start-up moves what exists by then (the model,
-the libraries) into a permanent generation that collections skip, so they walk
-only what requests allocate (vLLM's engine core does the same). Nothing frozen
-is ever freed: only objects that live as long as the process should exist then.
+Why: a full (generation-2) collection walks every tracked object and holds the
+GIL while it does, so the engine's thread launches no GPU step meanwhile. A
+replica holds torch, transformers, Ray and, after a compile, Dynamo's and
+Inductor's objects: on the H200 host one full collection of the 7B replica
+took 1.0-1.2 s. Ray Serve 2.60 already collects and freezes (``gc.freeze``)
+each replica's objects once its constructor has returned
+(``RAY_SERVE_FREEZE_GC_ON_STARTUP``, on by default), so later collections walk
+only what requests allocate; this recorder shows whether that holds under load
+(the LLM server reports it under ``gc`` in /admin/engine-stats). Its counts
+start in the replica's constructor, so they include Ray Serve's one startup
+collection.
 """
 
 from __future__ import annotations
@@ -65,10 +66,3 @@ def pauses() -> GcPauses:
             _PAUSES = GcPauses()
             gc.callbacks.append(_PAUSES.callback)
         return _PAUSES
-
-
-def freeze_startup_objects() -> int:
-    """Collects once, then freezes everything left; returns how many objects are now frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()

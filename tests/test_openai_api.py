@@ -115,9 +115,10 @@ def test_sixteen_concurrent_requests_are_batched(smol):
     generated = sum(r.usage.completion_tokens for r in results)
     # sequential decoding needs a forward pass per generated token (plus prefills)
     assert passes < generated / 2, (passes, generated)
-    # the replica froze its startup objects (server.gc_freeze) and reports its collections
+    # Ray Serve froze the replica's startup objects (RAY_SERVE_FREEZE_GC_ON_STARTUP) and the
+    # replica reports its collections, the startup one among them
     gc_stats = after["gc"]
-    assert gc_stats["frozen_objects"] > 10_000 and len(gc_stats["collections"]) == 3
+    assert gc_stats["frozen_objects"] > 10_000 and gc_stats["collections"][2] >= 1
 
 
 def test_stream_of_chinese_and_emoji_never_breaks_characters(smol):

@@ -15,7 +15,7 @@ from ray import serve
 from rollout.controller import RolloutNotFound, get_or_create, read_split
 from rollout.router import Router, TrafficSplit
 from rollout.signals import RequestTelemetry, VariantWindowProcessor
-from serve_app import gcpause, tracing
+from serve_app import tracing
 from serve_app.auth import KeyStore
 from rollout.state_machine import RolloutCommandError
 from serve_app.config import format_errors, parse_config
@@ -134,8 +134,6 @@ class Ingress(GrpcFront):
         BodyLimit.limit_bytes = self.config.limits.max_body_bytes
         if self.controller is not None:
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_splits())
-        if self.config.server.gc_freeze:
-            gcpause.freeze_startup_objects()
 
     async def _poll_splits(self) -> None:
         """Adopt the weights the rollout controller publishes (one reference swap each)."""

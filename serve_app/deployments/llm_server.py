@@ -48,7 +48,6 @@ class LLMServer:
         sampling: dict | None = None,
         tracing: dict | None = None,
         stream_interval_s: float = 0.0,
-        gc_freeze: bool = True,
     ):
         self.model_name = model_name
         self.variant = variant
@@ -84,8 +83,6 @@ class LLMServer:
         self._last_counts = (0, 0)
         self._stats_task = asyncio.get_running_loop().create_task(self._export_stats())
         self._gc = gcpause.pauses()
-        if gc_freeze:
-            gcpause.freeze_startup_objects()
         log.info("LLMServer %s/%s ready (backend %s)", model_name, variant, backend)
 
     def _to_generation_request(self, req: InferenceRequest) -> GenerationRequest:
