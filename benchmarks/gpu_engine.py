@@ -14,8 +14,8 @@ table last and writes gpu_engine.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import asyncio
+import gc
 import json
 import os
 import random

@@ -21,10 +21,13 @@ import time
 
 
 class GcPauses:
-    """Counts collections per generation and their summed and longest pause (``gc.callbacks``)."""
+    """Counts collections per generation and their summed and longest pause (``gc.callbacks``).
+
+    No lock: a callback runs with the GIL held, in whichever thread's allocation started the
+    collection, and a lock taken there would deadlock against an allocation made under it.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._started: float | None = None
         self.count = [0, 0, 0]
         self.total_ms = [0.0, 0.0, 0.0]
@@ -39,19 +42,17 @@ class GcPauses:
         ms = 1000.0 * (time.perf_counter() - self._started)
         self._started = None
         gen = min(int(info.get("generation", 2)), 2)
-        with self._lock:
-            self.count[gen] += 1
-            self.total_ms[gen] += ms
-            self.max_ms[gen] = max(self.max_ms[gen], ms)
+        self.count[gen] += 1
+        self.total_ms[gen] += ms
+        self.max_ms[gen] = max(self.max_ms[gen], ms)
 
     def snapshot(self) -> dict:
-        with self._lock:
-            return {
-                "collections": list(self.count),
-                "pause_total_ms": [round(x, 2) for x in self.total_ms],
-                "pause_max_ms": [round(x, 2) for x in self.max_ms],
-                "frozen_objects": gc.get_freeze_count(),
-            }
+        return {
+            "collections": list(self.count),
+            "pause_total_ms": [round(x, 2) for x in self.total_ms],
+            "pause_max_ms": [round(x, 2) for x in self.max_ms],
+            "frozen_objects": gc.get_freeze_count(),
+        }
 
 
 _PAUSES: GcPauses | None = None

@@ -25,3 +25,26 @@ def test_collections_are_counted_per_generation_with_their_pauses():
 def test_the_process_recorder_is_installed_once():
     assert pauses() is pauses()
     assert gc.callbacks.count(pauses().callback) == 1
+
+
+def test_a_collection_started_inside_a_snapshot_does_not_hang_it():
+    import threading
+
+    rec = GcPauses()
+    gc.callbacks.append(rec.callback)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # every new container starts a collection, also the lists a snapshot builds
+    done = threading.Event()
+
+    def read_often():
+        for _ in range(2000):
+            rec.snapshot()
+        done.set()
+
+    try:
+        threading.Thread(target=read_often, daemon=True).start()
+        assert done.wait(30), "snapshot hung in a collection it started"
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(rec.callback)
+    assert rec.snapshot()["collections"][0] > 100
