@@ -63,7 +63,7 @@ async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) 
     from ray import serve
 
     from serve_app.app import APP_NAME, llm_deployment_name
-    from serve_app.internal import InferenceRequest
+    from serve_app.internal import Delta, InferenceRequest
 
     h = serve.get_deployment_handle(llm_deployment_name("bench", "stable"), APP_NAME)
     xs = []
@@ -73,7 +73,8 @@ async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) 
             request_id=f"hop-{i}", model="bench", prompt_token_ids=prompt, max_tokens=out_tokens, temperature=0,
             ignore_eos=True))
         first = None
-        async for d in gen:
+        async for wire in gen:
+            d = Delta.from_wire(wire)
             if first is None and d.text:  # like an HTTP client: the first delta with text
                 first = time.perf_counter() - t0
         if i:  # the first call also sets up the handle

@@ -117,10 +117,10 @@ class LLMServer:
             ),
         )
 
-    async def generate(self, req: InferenceRequest) -> AsyncIterator[Delta]:
-        """Stream deltas; an admission error is raised before the first one."""
+    async def generate(self, req: InferenceRequest) -> AsyncIterator[tuple]:
+        """Stream deltas (as ``Delta.to_wire`` tuples); an admission error is raised before the first one."""
         async for d in self._deltas(req, self.stream_interval_s):
-            yield d
+            yield d.to_wire()
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
         """Engine and GPU gauges, and token counters from the engine's monotone totals."""

@@ -210,8 +210,8 @@ class InferenceCore:
             for attempt in range(t.replica_failure_retries + 1):
                 gen = handle.options(stream=True).generate.remote(req)
                 try:
-                    first = await asyncio.wait_for(gen.__anext__(),
-                                                   timeout=max(0.0, first_deadline - time.monotonic()))
+                    first = Delta.from_wire(await asyncio.wait_for(
+                        gen.__anext__(), timeout=max(0.0, first_deadline - time.monotonic())))
                     break
                 except asyncio.TimeoutError:
                     gen.cancel()
@@ -244,7 +244,7 @@ class InferenceCore:
                 if left <= 0:
                     raise RequestTimeoutError("the request timed out while streaming")
                 try:
-                    last = await asyncio.wait_for(gen.__anext__(), timeout=left)
+                    last = Delta.from_wire(await asyncio.wait_for(gen.__anext__(), timeout=left))
                 except StopAsyncIteration:
                     status, error_type = 200, None
                     return
