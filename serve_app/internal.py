@@ -2,7 +2,7 @@
 
 Front ends (HTTP, gRPC) normalise client requests into :class:`InferenceRequest`;
 replicas answer with :class:`Delta` items (streaming, sent as ``Delta.to_wire``
-tuples) or one :class:`Completion`.
+lists) or one :class:`Completion`.
 """
 
 from __future__ import annotations
@@ -42,19 +42,23 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
 
-    def to_wire(self) -> tuple:
-        """The delta as a tuple of plain values, for the replica -> ingress stream.
+    def to_wire(self) -> list:
+        """The delta as a list of plain values, for the replica -> ingress stream.
 
-        Why: Ray packs plain values with msgpack, but pickles any other object (a dataclass), and
-        under 64 streams that pickling was ~15 % of the LLM server's GIL time (py-spy, CPU box).
+        Why: Ray packs lists, dicts, strings and numbers with msgpack (strict types) and pickles
+        anything else, a tuple or a dataclass included; under 64 streams pickling the delta was
+        ~15 % of the LLM server's GIL time (py-spy, CPU box).
         """
-        return (self.text, self.token_ids, self.logprobs, self.tokens, self.top_logprobs,
-                self.finish_reason, self.prompt_tokens, self.completion_tokens)
+        top = self.top_logprobs
+        if top is not None:
+            top = [[[tok, lp] for tok, lp in alts] for alts in top]
+        return [self.text, self.token_ids, self.logprobs, self.tokens, top,
+                self.finish_reason, self.prompt_tokens, self.completion_tokens]
 
     @classmethod
-    def from_wire(cls, t) -> "Delta":
-        text, ids, lps, tokens, top, finish, n_prompt, n_completion = t
-        if top is not None:  # msgpack hands tuples back as lists
+    def from_wire(cls, wire: list) -> "Delta":
+        text, ids, lps, tokens, top, finish, n_prompt, n_completion = wire
+        if top is not None:
             top = [[(tok, lp) for tok, lp in alts] for alts in top]
         return cls(text, ids, lps, tokens, top, finish, n_prompt, n_completion)
 

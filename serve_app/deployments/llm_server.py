@@ -117,8 +117,8 @@ class LLMServer:
             ),
         )
 
-    async def generate(self, req: InferenceRequest) -> AsyncIterator[tuple]:
-        """Stream deltas (as ``Delta.to_wire`` tuples); an admission error is raised before the first one."""
+    async def generate(self, req: InferenceRequest) -> AsyncIterator[list]:
+        """Stream deltas (as ``Delta.to_wire`` lists); an admission error is raised before the first one."""
         async for d in self._deltas(req, self.stream_interval_s):
             yield d.to_wire()
 
