@@ -1,8 +1,9 @@
-"""Messages between the ingress and LLMServer replicas (pickled by Ray).
+"""Messages between the ingress and LLMServer replicas.
 
 Front ends (HTTP, gRPC) normalise client requests into :class:`InferenceRequest`;
 replicas answer with :class:`Delta` items (streaming, sent as ``Delta.to_wire``
-lists) or one :class:`Completion`.
+lists, which Ray packs with msgpack) or one :class:`Completion` (the request and
+the completion, one each per request, are pickled by Ray).
 """
 
 from __future__ import annotations
