@@ -134,6 +134,7 @@ async def run(args) -> dict:
     slots = getattr(engine, "_slots", None)
     if slots is not None:
         results.update(graphs=len(slots.graphs), graph_capture_s=slots.capture_s, compile_s=slots.compile_s,
+                       prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
                        kv_cache_gb=slots.cache.bytes / 1e9)
     save()
 
@@ -150,29 +151,69 @@ async def run(args) -> dict:
         (r["e2e_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in sampled)
     save()
 
-    async def load(key, conc, rid):
+    async def load(key, conc, rid, rounds=3):
         passes = engine.stats().forward_passes
-        results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, prompt, rng)
+        eager = slots.prefill_eager_passes if slots is not None else 0
+        results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, prompt, rng,
+                                             rounds)
         results[key]["forward_passes"] = engine.stats().forward_passes - passes
+        if slots is not None:
+            results[key]["prefill_eager_passes"] = slots.prefill_eager_passes - eager
         results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
         save()
 
     for conc in (32, 64):
         await load(f"concurrency_{conc}", conc, f"c{conc}")
-    # the same loads under other scheduling options, changed on the live engine (no second compile)
+    if args.steady_rounds:
+        await load("concurrency_64_steady", 64, "st", args.steady_rounds)
+    if slots is not None:
+        results["prefill_pass_ms"] = prefill_pass_ms(slots, args.prompt)
+        save()
+    # the same loads under other options, changed on the live engine (no second compile): an engine
+    # option, or with "slots." one of the decoder's switches (e.g. slots.prefill_compiled=false)
     for k, change in enumerate(args.compare):
-        base = {key: getattr(engine.options, key) for key in change}
+        targets = {key: (slots, key[6:]) if key.startswith("slots.") else (engine.options, key) for key in change}
+        base = {key: getattr(obj, name) for key, (obj, name) in targets.items()}
         for key, value in change.items():
-            setattr(engine.options, key, value)
+            setattr(*targets[key], value)
         for conc in (32, 64):
             await load(f"concurrency_{conc}_{compare_tag(change)}", conc, f"p{k}-{conc}")
+        if args.steady_rounds:
+            await load(f"concurrency_64_steady_{compare_tag(change)}", 64, f"ps{k}", args.steady_rounds)
         for key, value in base.items():
-            setattr(engine.options, key, value)
+            setattr(*targets[key], value)
     if slots is not None and slots.use_graphs:
         results["graph_replay_ms"] = graph_replay_ms(slots)
         save()
     await engine.shutdown()
     return results
+
+
+def prefill_pass_ms(slots, prompt_len: int, reps: int = 5) -> dict:
+    """Wall time of one prefill pass of 1, 4 and 16 prompts (the engine idle), compiled and eager, with
+    the TFLOP/s of its GEMM work (lm_head for the last positions only)."""
+    import torch
+
+    model = slots.model
+    params = (sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+              - slots.lm_head.weight.numel())
+    was = slots.prefill_compiled
+    rows = {}
+    with torch.inference_mode():
+        for mode in (["compiled"] if slots._prefill_compiled is not None else []) + ["eager"]:
+            slots.prefill_compiled = mode == "compiled"
+            for n in (1, 4, 16):
+                prompts = [[1000 + i] * prompt_len for i in range(n)]
+                slots.prefill(prompts, list(range(n)), 0)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    slots.prefill(prompts, list(range(n)), 0)
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) / reps * 1000
+                rows[f"{mode}_{n}"] = {"ms": round(ms, 2), "gemm_tflop_s": round(2 * params * prompt_len * n / ms / 1e9)}
+    slots.prefill_compiled = was
+    return rows
 
 
 def graph_replay_ms(slots, reps: int = 30) -> dict:
@@ -207,10 +248,13 @@ async def _delayed(fn, i, delay):
     return await fn(i)
 
 
-async def concurrent_load(send, conc: int, prompt, rng) -> dict:
-    """3 x conc requests, at most conc at once; the first conc arrive over 2 s (Poisson),
-    the rest as slots free up. `send(i, prompt_ids)` returns {ttft_s, e2e_s, tokens}."""
-    n = conc * 3
+async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict:
+    """rounds x conc requests, at most conc at once; the first conc arrive over 2 s (Poisson),
+    the rest as slots free up. `send(i, prompt_ids)` returns {ttft_s, e2e_s, tokens}.
+
+    With 3 rounds the run is short (~6 s at 64) and the 2 s of arrivals plus the last stream's
+    three requests in a row bound it; more rounds measure closer to the steady state."""
+    n = conc * rounds
     arrivals, t = [], 0.0
     for _ in range(n):
         arrivals.append(t)
@@ -220,7 +264,8 @@ async def concurrent_load(send, conc: int, prompt, rng) -> dict:
 
     async def limited(i):
         async with sem:
-            return await send(i, prompts[i])
+            start = time.perf_counter() - t0
+            return {**await send(i, prompts[i]), "start_s": start}
 
     t0 = time.perf_counter()
     rs = await asyncio.gather(*[_delayed(limited, i, arrivals[i]) for i in range(n)])
@@ -229,12 +274,36 @@ async def concurrent_load(send, conc: int, prompt, rng) -> dict:
     texts = [r["ttft_text_s"] for r in ok if r.get("ttft_text_s") is not None]
     return {
         "requests": n, "failed": n - len(ok), "output_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "full_window": full_window(ok, conc) if len(ok) == n else None,
         "ttft_p50_ms": 1000 * percentile([r["ttft_s"] for r in ok], 50),
         "ttft_p95_ms": 1000 * percentile([r["ttft_s"] for r in ok], 95),
         # to the first token with text (the engine alone), as a streaming HTTP client sees it
         "ttft_text_p50_ms": 1000 * percentile(texts, 50),
         "ttft_text_p95_ms": 1000 * percentile(texts, 95),
     }
+
+
+def full_window(rs: list[dict], conc: int) -> dict | None:
+    """Output tok/s while all `conc` requests were in flight: from the first token of the last of the
+    first `conc` requests to the end that left a slot with nothing more to start. The run's own
+    tok/s also counts the 2 s of arrivals and the tail where streams run out; this is the figure
+    closer to a long run's. Tokens of a request are spread evenly between its first token and its
+    end (an estimate: the requests report no per-token times)."""
+    first_wave = sorted(rs, key=lambda r: r["start_s"])[:conc]
+    t_a = max(r["start_s"] + r["ttft_s"] for r in first_wave)
+    ends = sorted(r["start_s"] + r["e2e_s"] for r in rs)
+    t_b = ends[len(rs) - conc]
+    if t_b <= t_a:
+        return None
+    tokens = 0.0
+    for r in rs:
+        first, end = r["start_s"] + r["ttft_s"], r["start_s"] + r["e2e_s"]
+        if end <= first:
+            tokens += r["tokens"] if t_a <= end <= t_b else 0
+            continue
+        overlap = max(0.0, min(end, t_b) - max(first, t_a))
+        tokens += r["tokens"] * overlap / (end - first)
+    return {"start_s": round(t_a, 3), "end_s": round(t_b, 3), "output_tok_s": tokens / (t_b - t_a)}
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -256,8 +325,8 @@ def _options(text: str) -> dict:
 
 
 # 2026-12-02 on the H200: prefill passes of 2048 and 8192 tokens gave the same throughput and 2048 the
-# lower TTFT tail, so 2048 is the main setting and 8192 the comparison
-DEFAULT_COMPARE = [{"max_prefill_tokens": 8192}]
+# lower TTFT tail, so 2048 is the main setting; the comparison is the prefill pass uncompiled
+DEFAULT_COMPARE = [{"slots.prefill_compiled": False}]
 
 
 def main() -> None:
@@ -272,6 +341,8 @@ def main() -> None:
                         f"(repeatable); default: {', '.join(compare_tag(c) for c in DEFAULT_COMPARE)}")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="an engine option over the benchmark's own, e.g. --set cuda_graph_span_step=128")
+    p.add_argument("--steady-rounds", type=int, default=10,
+                   help="requests per stream of a longer 64-concurrent load (0: none), closer to the steady state")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
     args.compare = DEFAULT_COMPARE if args.compare is None else args.compare
@@ -280,7 +351,8 @@ def main() -> None:
     s = res["single"]
     print(f"\nGPU: {res['gpu']}; kv_cache {args.kv_cache}; model build {res['build_model_s']:.0f} s; "
           f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {res.get('graphs', 0)} in "
-          f"{res.get('graph_capture_s', 0):.1f} s, of which compile {res.get('compile_s', 0):.1f} s; "
+          f"{res.get('graph_capture_s', 0):.1f} s, of which compile {res.get('compile_s', 0):.1f} s "
+          f"+ prefill {res.get('prefill_compile_s', 0):.1f} s; "
           f"KV {res.get('kv_cache_gb', 0):.1f} GB)")
     print(f"{'measure':<34}{'value':>12}  target")
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>12.2f}  <= {1.3 * floor_ms:.2f} (1.3 x 3.6 ms floor)")
@@ -288,6 +360,12 @@ def main() -> None:
     print(f"{'  step with temperature 1 (ms)':<34}{s['sampled_decode_step_ms']:>12.2f}")
     c64, c32 = res["concurrency_64"], res["concurrency_32"]
     print(f"{'output tok/s at 64 concurrent':<34}{c64['output_tok_s']:>12.0f}  >= 6000")
+    if "concurrency_64_steady" in res:
+        r = res["concurrency_64_steady"]
+        print(f"{f'  {args.steady_rounds} requests per stream':<34}{r['output_tok_s']:>12.0f}")
+        if r.get("full_window"):
+            w = r["full_window"]
+            print(f"{'    while all 64 were in flight':<34}{w['output_tok_s']:>12.0f}  ({w['start_s']:.1f}-{w['end_s']:.1f} s)")
     print(f"{'  forward passes at 64 / 32':<34}{c64['forward_passes']:>12d}{c32['forward_passes']:>8d}")
     print(f"{'TTFT p95 at 32 concurrent (ms)':<34}{c32['ttft_p95_ms']:>12.0f}  <= 200")
     print(f"{'TTFT p50 at 32 concurrent (ms)':<34}{c32['ttft_p50_ms']:>12.0f}")
@@ -300,6 +378,16 @@ def main() -> None:
             print(f"{f'  {conc} concurrent: tok/s':<34}{r['output_tok_s']:>12.0f}")
             print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
             print(f"{f'  forward passes':<34}{r['forward_passes']:>12d}")
+        if f"concurrency_64_steady_{compare_tag(change)}" in res:
+            r = res[f"concurrency_64_steady_{compare_tag(change)}"]
+            print(f"{f'  64, {args.steady_rounds} per stream: tok/s':<34}{r['output_tok_s']:>12.0f}")
+            if r.get("full_window"):
+                print(f"{'    while all 64 were in flight':<34}{r['full_window']['output_tok_s']:>12.0f}")
+    for key, r in res.get("prefill_pass_ms", {}).items():
+        print(f"{f'prefill pass {key} x {args.prompt} (ms)':<34}{r['ms']:>12.2f}{r['gemm_tflop_s']:>8d} TFLOP/s")
+    for key in [k for k in res if k.startswith("concurrency_")]:
+        if res[key].get("prefill_eager_passes"):
+            print(f"{key}: {res[key]['prefill_eager_passes']} prefill passes ran eagerly (shape not compiled)")
     gc_last = c64["gc"]
     print(f"{'GC full collections / longest (ms)':<34}{gc_last['collections'][2]:>12d}{gc_last['pause_max_ms'][2]:>8.1f}"
           f"  (after the engine started, through the 64-concurrent load)")

@@ -93,9 +93,10 @@ def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
     eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=True)
     torch._dynamo.reset()
     with torch.inference_mode():
+        compiled.compile_prefill_pass()  # as capture() does on a GPU: the prefill compiles first
         compiled.compile()
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs >= 1
+        assert graphs >= 3
         for dec in (eager, compiled):
             dec.prefill([[5 + i] * (3 + i) for i in range(8)], list(range(8)), 0)
             dec.positions.copy_(torch.tensor([3 + i for i in range(8)]))
@@ -107,6 +108,61 @@ def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
                 torch.testing.assert_close(compiled._step(rows, span), eager._step(rows, span), rtol=1e-4, atol=1e-4)
     # the buckets' shapes (batch 2..8, spans 32..128 including the full length) reused the first compile
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results():
+    from torch._dynamo.utils import counters
+
+    model = _tiny("qwen2")
+    fuse_projections(model)
+    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=False)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        compiled.compile_prefill_pass()
+        assert compiled.prefill_compile_error is None and compiled.prefill_compiled
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == 2  # one prompt, and two or more
+        # one prompt of one token (padded to two), one long prompt, ragged batches of 2..8 prompts
+        shapes = [[1], [57], [3, 9], [17, 2, 40], [5 + 11 * i for i in range(8)]]
+        for lengths in shapes:
+            prompts = [[(7 * i + j) % 450 + 20 for j in range(n)] for i, n in enumerate(lengths)]
+            slots = list(range(len(prompts)))[::-1]
+            want = eager.prefill(prompts, slots, 0)
+            got = compiled.prefill(prompts, slots, 0)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for layer in range(len(eager.cache.keys)):  # the same keys and values landed in the same slots
+                for s, n in zip(slots, lengths):
+                    torch.testing.assert_close(compiled.cache.keys[layer][s, :, :n], eager.cache.keys[layer][s, :, :n],
+                                               rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(compiled.cache.values[layer][s, :, :n],
+                                               eager.cache.values[layer][s, :, :n], rtol=1e-4, atol=1e-4)
+    # no shape compiled anew, and none fell back to the eager pass
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled.prefill_eager_passes == 0
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_prefill_shape_the_warm_up_missed_runs_eagerly_without_compiling():
+    from torch._dynamo.utils import counters
+
+    model = _tiny("qwen2")
+    fuse_projections(model)
+    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=False)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        compiled.compile_prefill_pass(warm=((1, 19),))  # one prompt only: two are a shape it did not compile
+        graphs = counters["stats"]["unique_graphs"]
+        prompts = [[9, 10, 11], [12, 13, 14, 15, 16]]
+        torch.testing.assert_close(compiled.prefill(prompts, [0, 1], 0), eager.prefill(prompts, [0, 1], 0),
+                                   rtol=1e-4, atol=1e-4)
+        compiled.prefill([[3] * 30], [2], 0)  # a covered shape still runs compiled
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled.prefill_eager_passes == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled CUDA-graph decode needs a GPU")

@@ -86,6 +86,12 @@ class HFEngineOptions(StrictModel):
         "graphs are captured, so the elementwise work between GEMMs runs as fused kernels. Costs minutes "
         "at the first start on a node (Inductor then caches its kernels on disk); all before ready.",
     )
+    compile_prefill: bool = Field(
+        True,
+        description="CUDA-graph decode: also torch.compile (dynamic shapes) the prefill pass, so its norms, "
+        "rotary and activations run fused between the GEMMs. Two compiles before ready (one prompt, and "
+        "two or more); a shape they do not cover runs eagerly instead of compiling while serving.",
+    )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
         description="tensor_parallel_size > 1: a step that some rank has not finished in this time "
