@@ -195,6 +195,10 @@ async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_mo
                                    max_tokens=12)) for i in range(2)]
         assert seeded[0] == seeded[1]
         assert slots.stats().num_running == 0 and slots.stats().kv_cache_usage == 0.0
+        # on the CPU nothing is captured or compiled, and the start says so
+        w = slots.warm_up
+        assert w["kv_cache"] == "static" and w["cuda_graphs"] == 0 and not w["prefill_compiled"]
+        assert w["prefill_eager_passes"] == 0 and w["load_s"] > 0
     finally:
         await dyn.shutdown()
         await slots.shutdown()

@@ -119,6 +119,9 @@ def test_sixteen_concurrent_requests_are_batched(smol):
     # replica reports its collections, the startup one among them
     gc_stats = after["gc"]
     assert gc_stats["frozen_objects"] > 10_000 and gc_stats["collections"][2] >= 1
+    # the start is reported: on the CPU a dynamic cache, no graphs or compiles
+    assert after["warm_up"]["load_s"] == after["load_time_s"] > 0
+    assert after["warm_up"]["kv_cache"] == "dynamic" and "cuda_graphs" not in after["warm_up"]
 
 
 def test_stream_of_chinese_and_emoji_never_breaks_characters(smol):

@@ -203,6 +203,7 @@ class LLMServer:
         s = self.engine.stats().as_dict()
         s["max_model_len"] = self.engine.max_model_len
         s["load_time_s"] = getattr(self.engine, "load_time_s", None)
+        s["warm_up"] = getattr(self.engine, "warm_up", None)  # the hf engine's compiles and graphs, if any
         s["gpu_util_pct"] = self.gpu.util_pct
         s["tensor_parallel_size"] = self.engine.parallel.tensor_parallel_size
         s["placement"] = self.placement

@@ -339,6 +339,20 @@ class HFEngine(Engine):
     async def abort(self, request_id: str) -> None:
         self._request_abort(request_id)
 
+    @property
+    def warm_up(self) -> dict:
+        """What the start did before ready (on a GPU: minutes of compiling), and whether serving has met a
+        prefill shape the compiled pass does not cover; the replica reports it with its stats."""
+        out: dict = {"load_s": self.load_time_s, "kv_cache": "static" if self._slots is not None else "dynamic"}
+        slots = self._slots
+        if slots is not None:
+            out.update(cuda_graphs=len(slots.graphs), graph_capture_s=slots.capture_s,
+                       decode_compile_s=slots.compile_s, decode_compile_error=slots.compile_error,
+                       prefill_compiled=slots._prefill_compiled is not None,
+                       prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
+                       prefill_eager_passes=slots.prefill_eager_passes)
+        return out
+
     def stats(self) -> EngineStats:
         s = self._stats
         running = list(self._running)
