@@ -202,3 +202,42 @@ async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_mo
     finally:
         await dyn.shutdown()
         await slots.shutdown()
+
+
+async def test_held_prompts_share_one_prefill_pass(engine):
+    ids = engine.encode_text("The quick brown fox jumps over the lazy dog.")
+    opts = engine.options
+    base = (opts.max_prefill_wait_steps, opts.max_prefill_tokens)
+
+    async def three_spaced_prompts(tag):
+        # one stream decodes throughout, so holding is allowed; each prompt comes two forward passes after
+        # the one before, so a prompt admitted on arrival has had its own pass by then
+        start = engine.stats().prefill_passes
+        long = asyncio.ensure_future(run(engine, f"{tag}-long", ids, max_tokens=400, ignore_eos=True))
+        while engine.stats().prefill_passes == start:  # the long stream's own prefill is done
+            await asyncio.sleep(0.005)
+        before = engine.stats().prefill_passes
+        sent = []
+        for i in range(3):
+            if sent:
+                passes = engine.stats().forward_passes
+                while engine.stats().forward_passes < passes + 2:
+                    await asyncio.sleep(0.005)
+            sent.append(asyncio.ensure_future(run(engine, f"{tag}-{i}", ids, temperature=0, max_tokens=4)))
+        outs = await asyncio.gather(*sent)
+        passes = engine.stats().prefill_passes - before
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+        return passes, [text_of(o) for o in outs]
+
+    try:
+        opts.max_prefill_wait_steps = 0
+        eager_passes, eager_texts = await three_spaced_prompts("now")
+        # held for up to 1,000 passes, but a full pass's worth (the three prompts) goes at once
+        opts.max_prefill_wait_steps, opts.max_prefill_tokens = 1000, 3 * len(ids)
+        held_passes, held_texts = await three_spaced_prompts("held")
+    finally:
+        opts.max_prefill_wait_steps, opts.max_prefill_tokens = base
+    assert eager_passes == 3
+    assert held_passes == 1
+    assert held_texts == eager_texts and all(held_texts)

@@ -101,6 +101,7 @@ class EngineStats:
     num_running: int = 0
     kv_cache_usage: float = 0.0
     forward_passes: int = 0
+    prefill_passes: int = 0  # of forward_passes, those that prefilled prompts
     prompt_tokens: int = 0
     generated_tokens: int = 0
     aborted_requests: int = 0

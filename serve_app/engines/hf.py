@@ -40,6 +40,7 @@ from serve_app.errors import (
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest
 from .hf_batch import LocalRunner, resolve_device_dtype
 from .options import HFEngineOptions
+from .prefill_policy import PrefillContext, hold_prefill
 from .textproc import IncrementalDetokenizer, StopStringFilter
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class _Seq:
     submitted_s: float = field(default_factory=time.monotonic)
     queue_time_s: float | None = None
     slot: int = -1  # static cache: the KV row this sequence owns
+    queued_pass: int = 0  # the engine's forward-pass count when the request joined the waiting queue
     pos: int = 0  # static cache: tokens of this sequence in its slot
 
     @property
@@ -365,6 +367,7 @@ class HFEngine(Engine):
             num_running=len(self._running),
             kv_cache_usage=min(1.0, used / self.options.max_kv_tokens),
             forward_passes=s.forward_passes,
+            prefill_passes=s.prefill_passes,
             prompt_tokens=s.prompt_tokens,
             generated_tokens=s.generated_tokens,
             aborted_requests=s.aborted_requests,
@@ -389,6 +392,8 @@ class HFEngine(Engine):
                         self._cv.wait()
                     if self._stopping:
                         break
+                    for seq in self._inbox:
+                        seq.queued_pass = self._stats.forward_passes
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
                     aborts, self._aborts = self._aborts, set()
@@ -427,8 +432,26 @@ class HFEngine(Engine):
         self._waiting = collections.deque(s for s in self._waiting if not s.finished)
         self._drop_finished()
 
+    def _hold_prefill(self) -> bool:
+        opts = self.options
+        if not self._waiting or opts.max_prefill_wait_steps <= 0:
+            return False
+        tokens = 0
+        for seq in self._waiting:  # only up to a full pass's worth: the queue may be long
+            tokens += len(seq.req.prompt_token_ids)
+            if tokens >= opts.max_prefill_tokens:
+                break
+        held, _ = hold_prefill(PrefillContext(
+            running=len(self._running), free_rows=opts.max_num_seqs - len(self._running),
+            waiting=len(self._waiting), waiting_tokens=tokens,
+            oldest_waited_steps=self._stats.forward_passes - self._waiting[0].queued_pass,
+            max_prefill_tokens=opts.max_prefill_tokens, max_wait_steps=opts.max_prefill_wait_steps))
+        return held
+
     def _admit(self) -> list[_Seq]:
         new: list[_Seq] = []
+        if self._hold_prefill():
+            return new
         reserved = sum(s.reserved_tokens for s in self._running)
         longest = 0
         opts = self.options
@@ -486,6 +509,7 @@ class HFEngine(Engine):
         self._running.extend(new)
         logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
         self._stats.forward_passes += 1
+        self._stats.prefill_passes += 1
         self._stats.prompt_tokens += sum(s.pos for s in new)
         chosen = self._sample(logits, new).view(-1)
         slots = torch.tensor([s.slot for s in new], dtype=torch.long).to(self.device)
@@ -590,6 +614,7 @@ class HFEngine(Engine):
         self._running.extend(new)
         logits = self._runner.prefill([s.req.prompt_token_ids for s in new])
         self._stats.forward_passes += 1
+        self._stats.prefill_passes += 1
         self._stats.prompt_tokens += sum(len(s.req.prompt_token_ids) for s in new)
         chosen = self._sample(logits, new)
         self._next = chosen if self._next is None else torch.cat([self._next, chosen], dim=0)

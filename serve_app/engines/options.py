@@ -49,6 +49,13 @@ class HFEngineOptions(StrictModel):
     max_prefill_tokens: int = Field(
         4096, ge=16, description="Padded prompt tokens one prefill forward pass may take."
     )
+    max_prefill_wait_steps: int = Field(
+        0, ge=0, le=1000,
+        description="Hold waiting prompts for up to this many forward passes while others decode, so more "
+        "of them share one prefill pass (each pass stalls every running stream; text-generation-inference's "
+        "max_waiting_tokens). A full pass's worth of prompts, or enough to fill every free row, goes at "
+        "once; nothing is held while nothing decodes. 0: prefill as soon as a prompt arrives.",
+    )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length; default: the model's max_position_embeddings."
     )

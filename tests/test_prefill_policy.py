@@ -1,0 +1,36 @@
+"""The prefill-holding rule (serve_app/engines/prefill_policy.py), as a pure function."""
+
+import pytest
+
+from serve_app.engines.prefill_policy import PrefillContext, hold_prefill
+
+
+def ctx(**kw):
+    base = dict(running=40, free_rows=24, waiting=2, waiting_tokens=1024, oldest_waited_steps=3,
+                max_prefill_tokens=2048, max_wait_steps=8)
+    return PrefillContext(**{**base, **kw})
+
+
+def test_a_partial_pass_is_held_while_others_decode():
+    held, why = hold_prefill(ctx())
+    assert held and "fuller pass" in why
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(waiting=0, waiting_tokens=0), "nothing waiting"),
+    (dict(max_wait_steps=0), "off"),
+    (dict(running=0), "nothing decoding"),
+    (dict(waiting_tokens=2048), "full pass"),
+    (dict(waiting=24), "every free row"),
+    (dict(free_rows=2), "every free row"),
+    (dict(oldest_waited_steps=8), "its limit"),
+])
+def test_each_reason_to_go_now(change, reason):
+    held, why = hold_prefill(ctx(**change))
+    assert not held and reason in why
+
+
+def test_the_wait_limit_counts_passes_from_zero():
+    assert hold_prefill(ctx(oldest_waited_steps=0))[0]
+    assert hold_prefill(ctx(oldest_waited_steps=7))[0]
+    assert not hold_prefill(ctx(oldest_waited_steps=9))[0]
