@@ -1,0 +1,127 @@
+"""Predict what holding prompts for fuller prefill passes does to the GPU engine's
+throughput and TTFT, before spending device time on it.
+
+    python benchmarks/prefill_hold_sim.py [--waits 0,4,8,16] [--out DIR]
+
+A discrete-event model of the hf engine's loop (admit -> one prefill pass if
+anything was admitted -> one decode step of every running row), fed by the
+load of benchmarks/gpu_engine.py (closed loop, first arrivals Poisson over
+2 s, 512-token prompts, 128 output tokens) and priced with the pass times
+measured on the H200 7B (docs/benchmarks.md section 3, 2026-12-03 compiled
+prefill run): decode step by batch (graph replay 4.74 / 4.87 / 5.52 / 6.04 ms
+at 1 / 8 / 32 / 64 rows) and prefill pass by prompts (13.9 / 41.7 / 157.2 ms
+at 1 / 4 / 16 prompts), interpolated linearly. The admission rule is the
+engine's own (`serve_app.engines.prefill_policy.hold_prefill`). The host is
+free and arrivals land between passes: a model, not a measurement; it prints
+its 0-wait row next to what the device measured so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import random
+import sys
+from bisect import bisect_left
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.loadgen import percentile  # noqa: E402
+from serve_app.engines.prefill_policy import PrefillContext, hold_prefill  # noqa: E402
+
+STEP_MS = {1: 4.74, 8: 4.87, 32: 5.52, 64: 6.04}  # decode graph replay by rows, span 768
+PREFILL_MS = {1: 13.9, 4: 41.7, 16: 157.2}  # compiled prefill pass by 512-token prompts
+
+
+def interp(table: dict[int, float], x: int) -> float:
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    i = min(bisect_left(xs, x), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
+
+
+def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output: int = 128,
+             max_prefill_tokens: int = 2048, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(conc):  # the first wave: Poisson over ~2 s, as gpu_engine.concurrent_load
+        arrivals.append(t)
+        t += rng.expovariate(conc / 2.0)
+    pending = [(a, i) for i, a in enumerate(arrivals)]  # (arrival time s, stream)
+    heapq.heapify(pending)
+    left = {i: rounds for i in range(conc)}
+    waiting: list[tuple[float, int, int]] = []  # (arrived s, stream, pass count at arrival)
+    running: dict[int, list] = {}  # stream -> [arrived s, first token s, tokens]
+    done: list[dict] = []
+    now, passes, prefills = 0.0, 0, 0
+    while pending or waiting or running:
+        while pending and pending[0][0] <= now:
+            a, i = heapq.heappop(pending)
+            waiting.append((a, i, passes))
+        if not waiting and not running:
+            now = pending[0][0]
+            continue
+        held = hold_prefill(PrefillContext(
+            running=len(running), free_rows=conc - len(running), waiting=len(waiting),
+            waiting_tokens=min(len(waiting) * prompt, max_prefill_tokens),
+            oldest_waited_steps=passes - waiting[0][2] if waiting else 0,
+            max_prefill_tokens=max_prefill_tokens, max_wait_steps=wait_steps))[0]
+        if waiting and not held:
+            take = waiting[: max(1, max_prefill_tokens // prompt)]
+            del waiting[: len(take)]
+            now += interp(PREFILL_MS, len(take)) / 1000
+            passes += 1
+            prefills += 1
+            for a, i, _ in take:
+                running[i] = [a, now, 1]
+        if running:
+            now += interp(STEP_MS, len(running)) / 1000
+            passes += 1
+            for i in list(running):
+                r = running[i]
+                r[2] += 1
+                if r[2] >= output:
+                    done.append({"start_s": r[0], "ttft_s": r[1] - r[0], "e2e_s": now - r[0], "tokens": r[2]})
+                    del running[i]
+                    left[i] -= 1
+                    if left[i]:
+                        heapq.heappush(pending, (now, i))
+    from benchmarks.gpu_engine import full_window
+
+    ttft = [d["ttft_s"] for d in done]
+    window = full_window(done, conc)
+    return {"conc": conc, "rounds": rounds, "wait_steps": wait_steps, "output_tok_s": sum(d["tokens"] for d in done) / now,
+            "full_window_tok_s": window["output_tok_s"] if window else None,
+            "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p95_ms": 1000 * percentile(ttft, 95),
+            "forward_passes": passes, "prefill_passes": prefills}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--waits", default="0,4,8,16,32")
+    p.add_argument("--steady-rounds", type=int, default=10, help="as gpu_engine.py's --steady-rounds")
+    p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
+    args = p.parse_args()
+    rows = [simulate(conc, rounds, w) for conc, rounds in ((32, 3), (64, 3), (64, args.steady_rounds))
+            for w in (int(x) for x in args.waits.split(","))]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_hold_sim.json").write_text(json.dumps(rows, indent=2))
+    print("model (not a measurement); the device measured at wait 0: 64x3 3,946 tok/s, 691 passes; "
+          "64x10 4,278 tok/s, 1,917 passes; 32x3 TTFT p95/p50 178/46 ms")
+    print(f"{'conc x rounds':<14}{'wait':>5}{'tok/s':>8}{'in flight':>10}{'TTFT p50':>10}{'p95':>7}"
+          f"{'passes':>8}{'prefill':>8}")
+    for r in rows:
+        fw = f"{r['full_window_tok_s']:.0f}" if r["full_window_tok_s"] else "-"
+        print(f"{r['conc']:>3} x {r['rounds']:<8}{r['wait_steps']:>5}{r['output_tok_s']:>8.0f}{fw:>10}"
+              f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['forward_passes']:>8}{r['prefill_passes']:>8}")
+
+
+if __name__ == "__main__":
+    main()
