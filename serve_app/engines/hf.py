@@ -434,7 +434,8 @@ class HFEngine(Engine):
 
     def _hold_prefill(self) -> bool:
         opts = self.options
-        if not self._waiting or opts.max_prefill_wait_steps <= 0:
+        wait_steps = opts.prefill_wait_steps(self.device.type)
+        if not self._waiting or wait_steps <= 0:
             return False
         tokens = 0
         for seq in self._waiting:  # only up to a full pass's worth: the queue may be long
@@ -445,7 +446,7 @@ class HFEngine(Engine):
             running=len(self._running), free_rows=opts.max_num_seqs - len(self._running),
             waiting=len(self._waiting), waiting_tokens=tokens,
             oldest_waited_steps=self._stats.forward_passes - self._waiting[0].queued_pass,
-            max_prefill_tokens=opts.max_prefill_tokens, max_wait_steps=opts.max_prefill_wait_steps))
+            max_prefill_tokens=opts.max_prefill_tokens, max_wait_steps=wait_steps))
         return held
 
     def _admit(self) -> list[_Seq]:
