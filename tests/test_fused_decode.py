@@ -187,15 +187,15 @@ async def test_compiled_cuda_engine_answers_like_the_eager_one(embedded_model_di
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="Inductor's CPU backend needs a C++ compiler")
-def test_a_failed_compile_leaves_a_working_eager_step(monkeypatch):
+def test_a_failed_compile_leaves_a_working_eager_step():
     import torch._inductor.config as inductor_config
 
-    # the node has no usable C compiler (what Triton's launcher needs on a GPU node)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     model = _tiny("qwen2")
     eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=True)
     torch._dynamo.reset()
-    with torch.inference_mode():
+    # the node has no usable C compiler (what Triton's launcher needs on a GPU node); patch(), not
+    # monkeypatch: undoing a setattr on the config proxy deletes the option for every later test
+    with torch.inference_mode(), inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
         compiled.compile()
         assert compiled.compile_error is not None
         for dec in (eager, compiled):
@@ -203,3 +203,19 @@ def test_a_failed_compile_leaves_a_working_eager_step(monkeypatch):
             dec.positions[:2] = 3
             dec.tokens[:2] = 42
         torch.testing.assert_close(compiled._step(2, 32), eager._step(2, 32))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_failed_prefill_compile_leaves_a_working_eager_pass():
+    import torch._inductor.config as inductor_config
+
+    model = _tiny("qwen2")
+    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=False)
+    torch._dynamo.reset()
+    with torch.inference_mode(), inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        compiled.compile_prefill_pass()
+        assert compiled.prefill_compile_error is not None and not compiled.prefill_compiled
+        prompts = [[7, 8, 9], [10, 11]]
+        torch.testing.assert_close(compiled.prefill(prompts, [0, 1], 0), eager.prefill(prompts, [0, 1], 0))
+    assert compiled.prefill_eager_passes == 0  # eager by choice, not a shape the compile missed
