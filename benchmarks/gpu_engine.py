@@ -201,7 +201,7 @@ def prefill_pass_ms(slots, prompt_len: int, reps: int = 5) -> dict:
     was = slots.prefill_compiled
     rows = {}
     with torch.inference_mode():
-        for mode in (["compiled"] if slots._prefill_compiled is not None else []) + ["eager"]:
+        for mode in (["compiled"] if slots.has_compiled_prefill else []) + ["eager"]:
             slots.prefill_compiled = mode == "compiled"
             for n in (1, 4, 16):
                 prompts = [[1000 + i] * prompt_len for i in range(n)]
@@ -362,13 +362,15 @@ def main() -> None:
     print(f"{'  step with temperature 1 (ms)':<34}{s['sampled_decode_step_ms']:>12.2f}")
     c64, c32 = res["concurrency_64"], res["concurrency_32"]
     print(f"{'output tok/s at 64 concurrent':<34}{c64['output_tok_s']:>12.0f}  >= 6000")
-    if "concurrency_64_steady" in res:
-        r = res["concurrency_64_steady"]
-        print(f"{f'  {args.steady_rounds} requests per stream':<34}{r['output_tok_s']:>12.0f}"
-              f"  ({r['forward_passes']} passes, {r['prefill_passes']} prefill)")
+
+    def print_steady(label: str, r: dict) -> None:
+        print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill)")
         if r.get("full_window"):
             w = r["full_window"]
             print(f"{'    while all 64 were in flight':<34}{w['output_tok_s']:>12.0f}  ({w['start_s']:.1f}-{w['end_s']:.1f} s)")
+
+    if "concurrency_64_steady" in res:
+        print_steady(f"  {args.steady_rounds} requests per stream", res["concurrency_64_steady"])
     print(f"{'  forward passes at 64 / 32':<34}{c64['forward_passes']:>12d}{c32['forward_passes']:>8d}")
     print(f"{'    of which prefill':<34}{c64['prefill_passes']:>12d}{c32['prefill_passes']:>8d}")
     print(f"{'TTFT p95 at 32 concurrent (ms)':<34}{c32['ttft_p95_ms']:>12.0f}  <= 200")
@@ -383,11 +385,7 @@ def main() -> None:
             print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
             print(f"{f'  forward / prefill passes':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}")
         if f"concurrency_64_steady_{compare_tag(change)}" in res:
-            r = res[f"concurrency_64_steady_{compare_tag(change)}"]
-            print(f"{f'  64, {args.steady_rounds} per stream: tok/s':<34}{r['output_tok_s']:>12.0f}"
-                  f"  ({r['forward_passes']} passes, {r['prefill_passes']} prefill)")
-            if r.get("full_window"):
-                print(f"{'    while all 64 were in flight':<34}{r['full_window']['output_tok_s']:>12.0f}")
+            print_steady(f"  64, {args.steady_rounds} per stream: tok/s", res[f"concurrency_64_steady_{compare_tag(change)}"])
     for key, r in res.get("prefill_pass_ms", {}).items():
         print(f"{f'prefill pass {key} x {args.prompt} (ms)':<34}{r['ms']:>12.2f}{r['gemm_tflop_s']:>8d} TFLOP/s")
     for key in [k for k in res if k.startswith("concurrency_")]:

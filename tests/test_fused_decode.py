@@ -75,6 +75,24 @@ def _decoder(model, compile_step: bool) -> SlotDecoder:
                        use_graphs=False, batch_sizes=[1, 2, 4, 8], span_step=32, compile_step=compile_step)
 
 
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                               reason="Inductor's CPU backend needs a C++ compiler")
+
+
+def _eager_and_compiled(compile_step: bool, fuse: bool = True) -> tuple[SlotDecoder, SlotDecoder]:
+    """Two decoders over one tiny Qwen2 (the second to be compiled), with Dynamo's caches and counters
+    cleared so a test counts only its own compiles."""
+    from torch._dynamo.utils import counters
+
+    model = _tiny("qwen2")
+    if fuse:
+        fuse_projections(model)
+    pair = _decoder(model, compile_step=False), _decoder(model, compile_step=compile_step)
+    torch._dynamo.reset()
+    counters.clear()
+    return pair
+
+
 def test_compiled_decoder_has_no_batch_of_one_and_a_spare_position():
     dec = _decoder(_tiny("qwen2"), compile_step=True)
     assert dec.batch_sizes == [2, 4, 8]
@@ -83,15 +101,11 @@ def test_compiled_decoder_has_no_batch_of_one_and_a_spare_position():
     assert plain.batch_sizes == [1, 2, 4, 8] and plain.cache.keys[0].shape[2] == 128
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="Inductor's CPU backend needs a C++ compiler")
+@needs_cxx
 def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
     from torch._dynamo.utils import counters
 
-    model = _tiny("qwen2")
-    fuse_projections(model)
-    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=True)
-    torch._dynamo.reset()
+    eager, compiled = _eager_and_compiled(compile_step=True)
     with torch.inference_mode():
         compiled.compile_prefill_pass()  # as capture() does on a GPU: the prefill compiles first
         compiled.compile()
@@ -110,16 +124,11 @@ def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="Inductor's CPU backend needs a C++ compiler")
+@needs_cxx
 def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results():
     from torch._dynamo.utils import counters
 
-    model = _tiny("qwen2")
-    fuse_projections(model)
-    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=False)
-    torch._dynamo.reset()
-    counters.clear()
+    eager, compiled = _eager_and_compiled(compile_step=False)
     with torch.inference_mode():
         compiled.compile_prefill_pass()
         assert compiled.prefill_compile_error is None and compiled.prefill_compiled
@@ -144,16 +153,11 @@ def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results()
     assert compiled.prefill_eager_passes == 0
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="Inductor's CPU backend needs a C++ compiler")
+@needs_cxx
 def test_a_prefill_shape_the_warm_up_missed_runs_eagerly_without_compiling():
     from torch._dynamo.utils import counters
 
-    model = _tiny("qwen2")
-    fuse_projections(model)
-    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=False)
-    torch._dynamo.reset()
-    counters.clear()
+    eager, compiled = _eager_and_compiled(compile_step=False)
     with torch.inference_mode():
         compiled.compile_prefill_pass(warm=((1, 19),))  # one prompt only: two are a shape it did not compile
         graphs = counters["stats"]["unique_graphs"]
@@ -185,14 +189,11 @@ async def test_compiled_cuda_engine_answers_like_the_eager_one(embedded_model_di
     assert outs[0] == outs[1]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="Inductor's CPU backend needs a C++ compiler")
+@needs_cxx
 def test_a_failed_compile_leaves_a_working_eager_step():
     import torch._inductor.config as inductor_config
 
-    model = _tiny("qwen2")
-    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=True)
-    torch._dynamo.reset()
+    eager, compiled = _eager_and_compiled(compile_step=True, fuse=False)
     # the node has no usable C compiler (what Triton's launcher needs on a GPU node); patch(), not
     # monkeypatch: undoing a setattr on the config proxy deletes the option for every later test
     with torch.inference_mode(), inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
@@ -205,14 +206,11 @@ def test_a_failed_compile_leaves_a_working_eager_step():
         torch.testing.assert_close(compiled._step(2, 32), eager._step(2, 32))
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="Inductor's CPU backend needs a C++ compiler")
+@needs_cxx
 def test_a_failed_prefill_compile_leaves_a_working_eager_pass():
     import torch._inductor.config as inductor_config
 
-    model = _tiny("qwen2")
-    eager, compiled = _decoder(model, compile_step=False), _decoder(model, compile_step=False)
-    torch._dynamo.reset()
+    eager, compiled = _eager_and_compiled(compile_step=False, fuse=False)
     with torch.inference_mode(), inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
         compiled.compile_prefill_pass()
         assert compiled.prefill_compile_error is not None and not compiled.prefill_compiled

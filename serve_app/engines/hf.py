@@ -64,8 +64,8 @@ class _Seq:
     pend_top: list = field(default_factory=list)
     submitted_s: float = field(default_factory=time.monotonic)
     queue_time_s: float | None = None
-    slot: int = -1  # static cache: the KV row this sequence owns
     queued_pass: int = 0  # the engine's forward-pass count when the request joined the waiting queue
+    slot: int = -1  # static cache: the KV row this sequence owns
     pos: int = 0  # static cache: tokens of this sequence in its slot
 
     @property
@@ -350,7 +350,7 @@ class HFEngine(Engine):
         if slots is not None:
             out.update(cuda_graphs=len(slots.graphs), graph_capture_s=slots.capture_s,
                        decode_compile_s=slots.compile_s, decode_compile_error=slots.compile_error,
-                       prefill_compiled=slots._prefill_compiled is not None,
+                       prefill_compiled=slots.has_compiled_prefill,
                        prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
                        prefill_eager_passes=slots.prefill_eager_passes)
         return out

@@ -169,6 +169,11 @@ class SlotDecoder:
         # the compiled prefill is used while this is on (a benchmark turns it off on a live engine to compare)
         self.prefill_compiled = False
 
+    @property
+    def has_compiled_prefill(self) -> bool:
+        """The warm-up compiled the prefill pass (whether or not ``prefill_compiled`` uses it now)."""
+        return self._prefill_compiled is not None
+
     # ---- steps -------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], pad_id: int):
         """Writes the prompts' KV into their slots; returns last-position logits [n, V]."""
@@ -177,7 +182,7 @@ class SlotDecoder:
         # compiled: at least 2 positions, as Inductor would compile a prompt of 1 token apart (right
         # padding is never attended to by the real tokens and is overwritten by the first decode writes)
         n, longest = len(prompts), max(len(p) for p in prompts)
-        if self._prefill_compiled is not None:
+        if self.has_compiled_prefill:
             longest = max(longest, 2)
         ids = torch.full((n, longest), pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -185,7 +190,7 @@ class SlotDecoder:
         ids = ids.to(self.device, non_blocking=True)
         slot_ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long).to(self.device, non_blocking=True)
-        if self._prefill_compiled is not None and self.prefill_compiled:
+        if self.has_compiled_prefill and self.prefill_compiled:
             try:
                 # a shape the warm-up did not compile runs eagerly rather than stalling the engine (and every
                 # stream on it) for a minute-long compile; dynamo raises before the pass runs
