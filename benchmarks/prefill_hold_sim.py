@@ -47,7 +47,7 @@ def interp(table: dict[int, float], x: int) -> float:
 
 
 def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output: int = 128,
-             max_prefill_tokens: int = 2048, seed: int = 0) -> dict:
+             max_prefill_tokens: int = 2048, seed: int = 0, rows: int = 64, min_running: float = 0.5) -> dict:
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(conc):  # the first wave: Poisson over ~2 s, as gpu_engine.concurrent_load
@@ -68,10 +68,11 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
             now = pending[0][0]
             continue
         held = hold_prefill(PrefillContext(
-            running=len(running), free_rows=conc - len(running), waiting=len(waiting),
+            running=len(running), free_rows=rows - len(running), waiting=len(waiting),
             waiting_tokens=min(len(waiting) * prompt, max_prefill_tokens),
             oldest_waited_steps=passes - waiting[0][2] if waiting else 0,
-            max_prefill_tokens=max_prefill_tokens, max_wait_steps=wait_steps))[0]
+            max_prefill_tokens=max_prefill_tokens, max_wait_steps=wait_steps, max_rows=rows,
+            min_running=min_running))[0]
         if waiting and not held:
             take = waiting[: max(1, max_prefill_tokens // prompt)]
             del waiting[: len(take)]
@@ -96,7 +97,7 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
 
     ttft = [d["ttft_s"] for d in done]
     window = full_window(done, conc)
-    return {"conc": conc, "rounds": rounds, "wait_steps": wait_steps, "output_tok_s": sum(d["tokens"] for d in done) / now,
+    return {"conc": conc, "rounds": rounds, "wait_steps": wait_steps, "min_running": min_running, "output_tok_s": sum(d["tokens"] for d in done) / now,
             "full_window_tok_s": window["output_tok_s"] if window else None,
             "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p95_ms": 1000 * percentile(ttft, 95),
             "forward_passes": passes, "prefill_passes": prefills}
@@ -105,21 +106,23 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--waits", default="0,4,8,16,32")
+    p.add_argument("--min-running", default="0.5,0", help="the engine's prefill_hold_min_running values to model")
     p.add_argument("--steady-rounds", type=int, default=10, help="as gpu_engine.py's --steady-rounds")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
-    rows = [simulate(conc, rounds, w) for conc, rounds in ((32, 3), (64, 3), (64, args.steady_rounds))
-            for w in (int(x) for x in args.waits.split(","))]
+    rows = [simulate(conc, rounds, w, min_running=m) for conc, rounds in ((32, 3), (64, 3), (64, args.steady_rounds))
+            for m in (float(x) for x in args.min_running.split(","))
+            for w in (int(x) for x in args.waits.split(",")) if w or m == float(args.min_running.split(",")[0])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_hold_sim.json").write_text(json.dumps(rows, indent=2))
     print("model (not a measurement); the device measured at wait 0: 64x3 3,946 tok/s, 691 passes; "
           "64x10 4,278 tok/s, 1,917 passes; 32x3 TTFT p95/p50 178/46 ms")
-    print(f"{'conc x rounds':<14}{'wait':>5}{'tok/s':>8}{'in flight':>10}{'TTFT p50':>10}{'p95':>7}"
+    print(f"{'conc x rounds':<14}{'wait':>5}{'min run':>8}{'tok/s':>8}{'in flight':>10}{'TTFT p50':>10}{'p95':>7}"
           f"{'passes':>8}{'prefill':>8}")
     for r in rows:
         fw = f"{r['full_window_tok_s']:.0f}" if r["full_window_tok_s"] else "-"
-        print(f"{r['conc']:>3} x {r['rounds']:<8}{r['wait_steps']:>5}{r['output_tok_s']:>8.0f}{fw:>10}"
+        print(f"{r['conc']:>3} x {r['rounds']:<8}{r['wait_steps']:>5}{r['min_running']:>8g}{r['output_tok_s']:>8.0f}{fw:>10}"
               f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['forward_passes']:>8}{r['prefill_passes']:>8}")
 
 

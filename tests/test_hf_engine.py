@@ -207,7 +207,7 @@ async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_mo
 async def test_held_prompts_share_one_prefill_pass(engine):
     ids = engine.encode_text("The quick brown fox jumps over the lazy dog.")
     opts = engine.options
-    base = (opts.max_prefill_wait_steps, opts.max_prefill_tokens)
+    base = (opts.max_prefill_wait_steps, opts.max_prefill_tokens, opts.prefill_hold_min_running)
 
     async def three_spaced_prompts(tag):
         # one stream decodes throughout, so holding is allowed; each prompt comes two forward passes after
@@ -234,10 +234,11 @@ async def test_held_prompts_share_one_prefill_pass(engine):
         opts.max_prefill_wait_steps = 0
         eager_passes, eager_texts = await three_spaced_prompts("now")
         # held for up to 1,000 passes, but a full pass's worth (the three prompts) goes at once
-        opts.max_prefill_wait_steps, opts.max_prefill_tokens = 1000, 3 * len(ids)
+        # one running stream of the engine's rows is under the default fraction: hold whenever anything decodes
+        opts.max_prefill_wait_steps, opts.max_prefill_tokens, opts.prefill_hold_min_running = 1000, 3 * len(ids), 0.0
         held_passes, held_texts = await three_spaced_prompts("held")
     finally:
-        opts.max_prefill_wait_steps, opts.max_prefill_tokens = base
+        opts.max_prefill_wait_steps, opts.max_prefill_tokens, opts.prefill_hold_min_running = base
     assert eager_passes == 3
     assert held_passes == 1
     assert held_texts == eager_texts and all(held_texts)

@@ -7,7 +7,7 @@ from serve_app.engines.prefill_policy import PrefillContext, hold_prefill
 
 def ctx(**kw):
     base = dict(running=40, free_rows=24, waiting=2, waiting_tokens=1024, oldest_waited_steps=3,
-                max_prefill_tokens=2048, max_wait_steps=8)
+                max_prefill_tokens=2048, max_wait_steps=8, max_rows=64, min_running=0.5)
     return PrefillContext(**{**base, **kw})
 
 
@@ -20,6 +20,8 @@ def test_a_partial_pass_is_held_while_others_decode():
     (dict(waiting=0, waiting_tokens=0), "nothing waiting"),
     (dict(max_wait_steps=0), "off"),
     (dict(running=0), "nothing decoding"),
+    (dict(running=31), "few rows decoding"),
+    (dict(running=20, min_running=0.4), "few rows decoding"),
     (dict(waiting_tokens=2048), "full pass"),
     (dict(waiting=24), "every free row"),
     (dict(free_rows=2), "every free row"),
@@ -28,6 +30,12 @@ def test_a_partial_pass_is_held_while_others_decode():
 def test_each_reason_to_go_now(change, reason):
     held, why = hold_prefill(ctx(**change))
     assert not held and reason in why
+
+
+def test_holding_starts_at_the_running_fraction():
+    assert hold_prefill(ctx(running=32))[0]
+    assert hold_prefill(ctx(running=1, min_running=0.0))[0]
+    assert not hold_prefill(ctx(running=63, min_running=1.0))[0]
 
 
 def test_the_wait_limit_counts_passes_from_zero():

@@ -446,7 +446,8 @@ class HFEngine(Engine):
             running=len(self._running), free_rows=opts.max_num_seqs - len(self._running),
             waiting=len(self._waiting), waiting_tokens=tokens,
             oldest_waited_steps=self._stats.forward_passes - self._waiting[0].queued_pass,
-            max_prefill_tokens=opts.max_prefill_tokens, max_wait_steps=wait_steps))
+            max_prefill_tokens=opts.max_prefill_tokens, max_wait_steps=wait_steps,
+            max_rows=opts.max_num_seqs, min_running=opts.prefill_hold_min_running))
         return held
 
     def _admit(self) -> list[_Seq]:

@@ -62,6 +62,13 @@ class HFEngineOptions(StrictModel):
         "a GPU (measured there: +8 to +15 % tok/s at 64 concurrent, TTFT p95 at 32 within target), 0 on "
         "the CPU (not measured there).",
     )
+    prefill_hold_min_running: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="Hold prompts (max_prefill_wait_steps) only while at least this fraction of max_num_seqs "
+        "rows decode. A prefill pass stalls every running stream, so merging passes gains in proportion "
+        "to how many run, while the held prompt's wait costs the same either way. 0: hold whenever "
+        "anything decodes.",
+    )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length; default: the model's max_position_embeddings."
     )
