@@ -151,8 +151,13 @@ def main() -> None:
                    help="an engine option over the benchmark's own, e.g. --set compile_decode=false")
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
+    p.add_argument("--http-proxy", choices=["python", "haproxy"], default="python",
+                   help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
+    from serve_app.app import select_http_proxy
+
+    select_http_proxy(args.http_proxy)
 
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment
     import httpx
@@ -161,7 +166,7 @@ def main() -> None:
     from serve_app.app import deploy
     from serve_app.config import parse_config
 
-    res: dict = {"stream_interval_ms": args.stream_interval_ms, "ingress_replicas": args.ingress_replicas,
+    res: dict = {"http_proxy": args.http_proxy, "stream_interval_ms": args.stream_interval_ms, "ingress_replicas": args.ingress_replicas,
                  "engine_options_set": dict(args.set)}
     if args.model is None:
         res["build_model_s"] = build_model_dir(Path(args.work) / "qwen2-7b-random", Path(args.tokenizer))
@@ -215,7 +220,7 @@ def main() -> None:
     (out / f"gpu_stack{tag}.json").write_text(json.dumps(res, indent=2))
     alone_path = out / "gpu_engine.json"
     alone = json.loads(alone_path.read_text()) if alone_path.exists() else None
-    print(f"\nfull stack (Ray Serve, OpenAI HTTP, streaming; {args.ingress_replicas} ingress replicas, "
+    print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {args.http_proxy} proxy, streaming; {args.ingress_replicas} ingress replicas, "
           f"stream_interval_ms {args.stream_interval_ms:g}); ready after {res['deploy_ready_s']:.1f} s; "
           f"placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")

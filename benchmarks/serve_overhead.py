@@ -187,8 +187,13 @@ def main() -> None:
     p.add_argument("--throughput-optimized", action="store_true",
                    help="set RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's direct ingress + gRPC transport)")
     p.add_argument("--skip-stream", action="store_true")
+    p.add_argument("--http-proxy", choices=["python", "haproxy"], default="python",
+                   help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
     p.add_argument("--out", default=str(ROOT / "results" / "serve_overhead.json"))
     args = p.parse_args()
+    from serve_app.app import select_http_proxy
+
+    select_http_proxy(args.http_proxy)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.throughput_optimized:
         os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"

