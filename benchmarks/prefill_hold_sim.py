@@ -112,6 +112,7 @@ def main() -> None:
     args = p.parse_args()
     rows = [simulate(conc, rounds, w, min_running=m) for conc, rounds in ((32, 3), (64, 3), (64, args.steady_rounds))
             for m in (float(x) for x in args.min_running.split(","))
+            # nothing is held at wait 0, whatever the fraction: that row once
             for w in (int(x) for x in args.waits.split(",")) if w or m == float(args.min_running.split(",")[0])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

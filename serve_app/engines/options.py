@@ -58,8 +58,9 @@ class HFEngineOptions(StrictModel):
         description="Hold waiting prompts for up to this many forward passes while others decode, so more "
         "of them share one prefill pass (each pass stalls every running stream; text-generation-inference's "
         "max_waiting_tokens). A full pass's worth of prompts, or enough to fill every free row, goes at "
-        "once; nothing is held while nothing decodes. 0: prefill as soon as a prompt arrives. Default: 8 on "
-        "a GPU (measured there: +8 to +15 % tok/s at 64 concurrent, TTFT p95 at 32 within target), 0 on "
+        "once; nothing is held while fewer rows decode than prefill_hold_min_running asks. 0: prefill as soon "
+        "as a prompt arrives. Default: 8 on "
+        "a GPU (measured there: +5 to +15 % tok/s at 64 concurrent over two runs), 0 on "
         "the CPU (not measured there).",
     )
     prefill_hold_min_running: float = Field(

@@ -11,10 +11,9 @@ This is the rule text-generation-inference applies with `max_waiting_tokens`
 (how many decode steps a waiting request may be held; 20 by default there)
 and `waiting_served_ratio`; here with the pass's token budget as the "enough
 to go" mark, and only while enough rows decode for fewer passes to matter:
-at 32 concurrent streams on 64 rows the H200 measured a TTFT p95 of 131 and
-275 ms holding 8 passes against 178, 173 and 106 ms not holding, while the
-gain is at 64 (docs/benchmarks.md section 3).
-A pure function, so it is tested without an engine.
+the gain grows with the streams a pass stalls, while a held prompt waits the
+same either way (the H200 runs are in docs/benchmarks.md, section 3). A pure
+function, so it is tested without an engine.
 """
 
 from __future__ import annotations
