@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import _option, build_model_dir, concurrent_load, engine_options  # noqa: E402
-from benchmarks.loadgen import free_port  # noqa: E402
+from benchmarks.loadgen import add_http_proxy_arg, free_port  # noqa: E402
 
 ADMIN_TOKEN = "gpu-stack-bench"
 
@@ -137,7 +137,7 @@ def first_token_breakdown(trace_file: Path, window_ns: list[int]) -> dict:
 
 def run_stack(args, proxy: str, opts: dict, gpus: int) -> dict:
     """Start Ray with `proxy` as Serve's HTTP data path, deploy, drive the loads, stop Ray."""
-    from serve_app.app import select_http_proxy
+    from cluster.launcher import select_http_proxy
 
     select_http_proxy(proxy)  # before Ray starts: Serve's controller reads it once
     import httpx
@@ -243,9 +243,7 @@ def main() -> None:
                    help="an engine option over the benchmark's own, e.g. --set compile_decode=false")
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
-    p.add_argument("--http-proxy", choices=["python", "haproxy"], nargs="+", default=["python"],
-                   help="Ray Serve's HTTP data path: its Python proxy actor, HAProxy, or both one after the "
-                        "other (Ray restarts between them; the second compile reuses Inductor's cache)")
+    add_http_proxy_arg(p, many=True)  # both: the second compile reuses Inductor's cache (below)
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment

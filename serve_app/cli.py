@@ -35,7 +35,8 @@ def cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import HAPROXY_ENV, deploy, select_http_proxy
+    from cluster.launcher import HAPROXY_ENV, select_http_proxy
+    from serve_app.app import deploy
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.address is None:
@@ -138,6 +139,8 @@ def cmd_deploy(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cluster.launcher import HTTP_PROXIES
+
     p = argparse.ArgumentParser(prog="seekserve", description="Ray Serve LLM serving cluster.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="Ray address to join; default: start a local Ray")
     s.add_argument("--detach", action="store_true", help="return once deployed (cluster keeps serving)")
     s.add_argument("--quiet", action="store_true", help="do not stream worker logs to the console")
-    s.add_argument("--http-proxy", choices=["python", "haproxy"], default="python",
+    s.add_argument("--http-proxy", choices=HTTP_PROXIES, default="python",
                    help="Ray Serve's HTTP data path for the local Ray this starts: its Python proxy actor "
                         "(default) or HAProxy straight to the ingress replicas (docs/operations.md)")
     s.set_defaults(func=cmd_serve)

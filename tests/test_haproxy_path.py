@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from serve_app.app import deploy, select_http_proxy
+from cluster.launcher import select_http_proxy
+from serve_app.app import deploy
 
 select_http_proxy("haproxy")  # before Ray starts, as `seekserve serve --http-proxy haproxy` does
 import httpx, openai, psutil, ray
@@ -63,7 +64,7 @@ def test_the_app_serves_through_ray_serve_haproxy():
 
 
 def test_the_switch_names_its_choices():
-    from serve_app.app import HAPROXY_ENV, select_http_proxy
+    from cluster.launcher import HAPROXY_ENV, select_http_proxy
 
     env: dict[str, str] = {}
     select_http_proxy("haproxy", env)
