@@ -15,9 +15,11 @@ from serve_app._model import StrictModel
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
 
 
-# H200, 7B, 2026-12-03 (docs/benchmarks.md section 3): holding 8 passes gained 8-15 % at 64 concurrent and kept
-# TTFT p95 at 32 at 131 ms; 16 gained more at 64 but took p95 at 32 to 207 ms, over the 200 ms target
+# H200, 7B, 2026-12-03 (docs/benchmarks.md section 3): holding 8 passes gained 5-15 % at 64 concurrent over
+# two runs; 16 gained more at 64 but its run's TTFT p95 at 32 was 207 ms, over the 200 ms target (8's was 131
+# and 275 ms in two runs, hence prefill_hold_min_running: nothing is held at 32 streams on 64 rows)
 GPU_PREFILL_WAIT_STEPS = 8
+
 
 class HFEngineOptions(StrictModel):
     model: str = Field(
