@@ -39,7 +39,7 @@ def test_models_health_ready(smol):
 
 def test_ingress_reaches_each_variant_at_start_up(smol_app):
     # the first request an ingress replica serves would otherwise also set up its route to the LLM
-    # server (measured: 30-40 ms more for that request)
+    # server (CPU box, benchmarks/idle_ttft.py: 50-80 ms more for that request)
     from ray import serve
 
     ingress = serve.get_deployment_handle("Ingress", smol_app["app"])

@@ -139,9 +139,9 @@ class Ingress(GrpcFront):
 
     async def _warm_handles(self, retry_s: float = 1.0, give_up_s: float = 3600.0) -> None:
         """One cheap call to each variant, in the background, so that this replica's first real request
-        does not pay for setting up its route to the LLM servers (measured: ~30-40 ms more for the
-        first request each ingress replica serves). Does not hold readiness back: the LLM servers may
-        take minutes to compile while the ingress is already up."""
+        does not pay for setting up its route to the LLM servers (CPU box, `benchmarks/idle_ttft.py`:
+        50-80 ms more for the first request each ingress replica served). Does not hold readiness back:
+        the LLM servers may take minutes to compile while the ingress is already up."""
         pending = {(m, v): h for m, variants in self.core.handles.items() for v, h in variants.items()}
         deadline = time.monotonic() + give_up_s
         while pending and time.monotonic() < deadline:
