@@ -135,8 +135,9 @@ def first_token_breakdown(trace_file: Path, window_ns: list[int]) -> dict:
             **{f"{leg}_p95_ms": percentile(xs, 95) for leg, xs in legs.items()}}
 
 
-def run_stack(args, proxy: str, opts: dict, gpus: int) -> dict:
-    """Start Ray with `proxy` as Serve's HTTP data path, deploy, drive the loads, stop Ray."""
+def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "inline") -> dict:
+    """Start Ray with `proxy` as Serve's HTTP data path, deploy (the engine in the replica's process or
+    in its own, `engine_process`), drive the loads, stop Ray."""
     from cluster.launcher import select_http_proxy
 
     select_http_proxy(proxy)  # before Ray starts: Serve's controller reads it once
@@ -147,15 +148,15 @@ def run_stack(args, proxy: str, opts: dict, gpus: int) -> dict:
     from serve_app.app import deploy
     from serve_app.config import parse_config
 
-    res: dict = {"http_proxy": proxy, "stream_interval_ms": args.stream_interval_ms,
+    res: dict = {"http_proxy": proxy, "engine_process": engine_process, "stream_interval_ms": args.stream_interval_ms,
                  "ingress_replicas": args.ingress_replicas, "engine_options_set": dict(args.set)}
-    trace_file = Path(args.work) / f"traces-{proxy}.jsonl"
+    trace_file = Path(args.work) / f"traces-{proxy}-{engine_process}.jsonl"
     trace_file.unlink(missing_ok=True)
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
     http_port, grpc_port = free_port(), free_port()
     config = parse_config({
         "models": [{"name": "bench", "variants": [{
-            "name": "stable", "weight": 100, "engine": {"backend": "hf", "options": opts},
+            "name": "stable", "weight": 100, "engine": {"backend": "hf", "options": opts, "process": engine_process},
             "resources": {"num_cpus": 1, "num_gpus": gpus},
             "max_ongoing_requests": 1024,
         }]}],
@@ -191,7 +192,8 @@ def run_stack(args, proxy: str, opts: dict, gpus: int) -> dict:
 
 
 def print_report(res: dict, alone: dict | None, args) -> None:
-    print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, streaming; "
+    print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, engine "
+          f"{'in its own process' if res.get('engine_process') == 'separate' else 'in the replica process'}, streaming; "
           f"{args.ingress_replicas} ingress replicas, stream_interval_ms {args.stream_interval_ms:g}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
@@ -244,6 +246,9 @@ def main() -> None:
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
     add_http_proxy_arg(p, many=True)  # both: the second compile reuses Inductor's cache (below)
+    p.add_argument("--engine-process", choices=["inline", "separate"], nargs="+", default=["inline"],
+                   help="engine.process: the engine in the replica's process, in a child process of its own, "
+                        "or both one after the other (each with every --http-proxy)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment
@@ -269,11 +274,14 @@ def main() -> None:
     alone = json.loads(alone_path.read_text()) if alone_path.exists() else None
     results = []
     for proxy in args.http_proxy:
-        res = run_stack(args, proxy, opts, gpus)
-        res["build_model_s"] = build_s
-        # the Python proxy's file keeps the name earlier runs used
-        (out / f"gpu_stack{tag}{'' if proxy == 'python' else '_' + proxy}.json").write_text(json.dumps(res, indent=2))
-        results.append(res)
+        for engine_process in args.engine_process:
+            res = run_stack(args, proxy, opts, gpus, engine_process)
+            res["build_model_s"] = build_s
+            # the Python proxy's inline file keeps the name earlier runs used
+            name = (f"gpu_stack{tag}{'' if proxy == 'python' else '_' + proxy}"
+                    f"{'' if engine_process == 'inline' else '_' + engine_process}.json")
+            (out / name).write_text(json.dumps(res, indent=2))
+            results.append(res)
     for res in results:
         print_report(res, alone, args)
 

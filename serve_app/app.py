@@ -75,6 +75,7 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, traci
         sampling=v.sampling.model_dump() if v.sampling else None,
         tracing=tracing,
         stream_interval_s=stream_interval_ms / 1000.0,
+        engine_process=v.engine.process,
     )
 
 

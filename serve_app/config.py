@@ -18,7 +18,7 @@ from pydantic import AfterValidator, Field, ValidationError, field_validator, mo
 
 from autoscale.policy import PolicyConfig
 from serve_app._model import StrictModel
-from serve_app.engines.options import MAX_TENSOR_PARALLEL
+from serve_app.engines.options import MAX_TENSOR_PARALLEL, OPTIONS_BY_BACKEND, SEPARATE_PROCESS_BACKENDS
 from serve_app.engines.registry import UnknownEngineError, options_model_for
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -43,6 +43,12 @@ class EngineSpec(StrictModel):
     options: dict[str, Any] = Field(
         default_factory=dict, description="Backend-specific options, validated by the backend's schema."
     )
+    process: Literal["inline", "separate"] = Field(
+        "inline",
+        description="Where the engine runs: 'inline' in the replica's process, or 'separate' in a child "
+        "process of its own (vLLM V1's layout), so that its scheduling and kernel launches do not share "
+        "a GIL with the replica's event loop. The replica keeps tokenizing. One rank only.",
+    )
 
     @model_validator(mode="after")
     def _validate_options(self) -> "EngineSpec":
@@ -56,6 +62,12 @@ class EngineSpec(StrictModel):
             raise ValueError(f"engine.options for backend {self.backend!r}: {format_errors(e)}") from e
         # store the normalised form so replicas receive complete, defaulted options
         object.__setattr__(self, "options", validated.model_dump())
+        if self.process == "separate" and self.backend in OPTIONS_BY_BACKEND \
+                and self.backend not in SEPARATE_PROCESS_BACKENDS:
+            raise ValueError(
+                f"engine.process 'separate' is not available for the {self.backend!r} backend; "
+                f"it is for: {', '.join(sorted(SEPARATE_PROCESS_BACKENDS))}"
+            )
         return self
 
 
@@ -175,6 +187,10 @@ class VariantConfig(StrictModel):
         if limit is not None and tp > limit:
             raise ValueError(
                 f"tensor_parallel_size {tp}: the {backend!r} backend runs at most {limit} rank(s)"
+            )
+        if tp > 1 and self.engine.process == "separate":
+            raise ValueError(
+                f"tensor_parallel_size {tp}: engine.process 'separate' runs one rank; use 'inline'"
             )
         cpu_ranks = backend == "hf" and self.engine.options.get("device") == "cpu"
         if tp > 1 and self.resources.num_gpus <= 0 and not cpu_ranks:

@@ -48,6 +48,7 @@ class LLMServer:
         sampling: dict | None = None,
         tracing: dict | None = None,
         stream_interval_s: float = 0.0,
+        engine_process: str = "inline",
     ):
         self.model_name = model_name
         self.variant = variant
@@ -61,7 +62,7 @@ class LLMServer:
             # ranks are STRICT_PACKed on one node: the topology is this node's
             env = NcclSpec.model_validate(nccl or {}).resolve(detect(num_nodes=1).topology)
         parallel = ParallelConfig(tensor_parallel_size=tp, bundle_indices=list(range(tp)), env=env)
-        self.engine = create_engine(backend, engine_options, parallel)
+        self.engine = create_engine(backend, engine_options, parallel, process=engine_process)
         self.rank_workers = []
         if tp > 1 and not self.engine.places_own_workers:
             self.rank_workers = start_rank_workers(tp, gpus_per_rank, env)

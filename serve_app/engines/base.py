@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, AsyncIterator, ClassVar, Protocol
 
 from pydantic import BaseModel
 
@@ -124,6 +124,17 @@ class ParallelConfig:
     rank_workers: list = field(default_factory=list)
 
 
+class Tokenization(Protocol):
+    """What a replica needs of a backend to turn requests into token ids (and ids into text for
+    logprob listings) without the model: see :meth:`Engine.frontend`."""
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def encode_text(self, prompt: str) -> list[int]: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+
 class Engine(abc.ABC):
     """A model backend, registered by name in :mod:`serve_app.engines.registry`."""
 
@@ -138,6 +149,12 @@ class Engine(abc.ABC):
     def __init__(self, options: BaseModel, parallel: ParallelConfig | None = None):
         self.options = options
         self.parallel = parallel or ParallelConfig()
+
+    @classmethod
+    def frontend(cls, options: BaseModel) -> Tokenization:
+        """Tokenization alone, loaded without the model: the replica's side when the engine runs in
+        a process of its own (``engine.process: separate``). Backends that cannot split raise."""
+        raise NotImplementedError(f"the {cls.name!r} backend cannot run its engine in a separate process")
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -89,7 +89,41 @@ def _generation_config(model_dir):
         return None
 
 
-class HFEngine(Engine):
+class HFTokenization:
+    """The chat template, tokenizing and token text of an hf model: the engine's, and alone (without
+    the model) the replica's when the engine runs in a process of its own."""
+
+    tokenizer = None
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja errors for roles the template refuses, etc.
+            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e
+        if not isinstance(out, list):
+            out = out["input_ids"]
+        if out and isinstance(out[0], list):
+            out = out[0]
+        return [int(t) for t in out]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class HFFrontend(HFTokenization):
+    def __init__(self, options: HFEngineOptions):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        from .model_store import resolve_model_dir
+
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(options.model), local_files_only=True)
+
+
+class HFEngine(HFTokenization, Engine):
     name = "hf"
     options_model = HFEngineOptions
     max_tensor_parallel_size = 64
@@ -115,6 +149,10 @@ class HFEngine(Engine):
         self._ready = False
         self._stats = EngineStats()
         self.load_time_s: float | None = None
+
+    @classmethod
+    def frontend(cls, options: HFEngineOptions) -> HFFrontend:
+        return HFFrontend(options)
 
     # ---- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -256,24 +294,6 @@ class HFEngine(Engine):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
-
-    # ---- tokenization ----------------------------------------------------
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # jinja errors for roles the template refuses, etc.
-            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from e
-        if not isinstance(out, list):
-            out = out["input_ids"]
-        if out and isinstance(out[0], list):
-            out = out[0]
-        return [int(t) for t in out]
-
-    def encode_text(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
     # ---- request path (event loop side) ---------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineChunk]:

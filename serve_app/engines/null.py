@@ -38,6 +38,10 @@ class NullEngine(Engine):
         self._stats = EngineStats()
         self.load_time_s = 0.0
 
+    @classmethod
+    def frontend(cls, options: NullEngineOptions) -> "NullEngine":
+        return cls(options)  # its tokenizing needs nothing started
+
     async def start(self) -> None:
         self._slots = asyncio.Semaphore(self.options.max_num_seqs)
         self._ready = True

@@ -238,3 +238,7 @@ OPTIONS_BY_BACKEND = {
 # Largest tensor_parallel_size each built-in backend runs (checked at config time).
 # null: idle rank workers hold the bundles.
 MAX_TENSOR_PARALLEL = {"hf": 64, "null": 64, "trtllm": 64}
+
+# Built-in backends whose engine can run in a process of its own (engine.process "separate"):
+# they can tokenize without the model (Engine.frontend). trtllm places its own workers.
+SEPARATE_PROCESS_BACKENDS = frozenset({"hf", "null"})

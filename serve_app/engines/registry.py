@@ -50,6 +50,15 @@ def options_model_for(name: str):
     return get_engine_class(name).options_model
 
 
-def create_engine(name: str, options: dict | None = None, parallel=None) -> Engine:
+def create_engine(name: str, options: dict | None = None, parallel=None, process: str = "inline") -> Engine:
+    """``process``: "inline" runs the engine in this process; "separate" in a child process of its
+    own, this process keeping the backend's tokenization (:mod:`serve_app.engines.process`)."""
     cls = get_engine_class(name)
-    return cls(options_model_for(name).model_validate(options or {}), parallel)
+    validated = options_model_for(name).model_validate(options or {})
+    if process == "inline":
+        return cls(validated, parallel)
+    if process == "separate":
+        from .process import SeparateProcessEngine
+
+        return SeparateProcessEngine(name, validated, parallel)
+    raise ValueError(f"unknown engine process {process!r}; valid: inline, separate")
