@@ -249,17 +249,36 @@ async def _delayed(fn, i, delay):
     return await fn(i)
 
 
+#: the first wave's span: its last request arrives this long after the first
+FIRST_WAVE_SPAN_S = 2.0
+
+
+def first_wave_arrivals(conc: int, span_s: float = FIRST_WAVE_SPAN_S, seed: int = 0) -> list[float]:
+    """Arrival times (s) of the first `conc` requests: Poisson gaps, scaled so that the last arrives at
+    `span_s`. Drawn from an RNG of their own: until 2026-12-03 they came from the prompts' RNG, so
+    gpu_stack.py (one prompt fewer drawn before its loads) met another schedule than gpu_engine.py,
+    its first wave ending 1.1 s (32) and 0.7 s (64) later, which alone cost it ~18 % / ~8 % of the
+    engine's tok/s in the model of the loop (docs/gpu_notes.md run 40)."""
+    rng = random.Random(f"first-wave-{conc}-{seed}")
+    gaps = [rng.expovariate(1.0) for _ in range(conc - 1)]
+    total = sum(gaps) or 1.0
+    out, t = [0.0], 0.0
+    for g in gaps:
+        t += g * span_s / total
+        out.append(t)
+    return out
+
+
 async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict:
-    """rounds x conc requests, at most conc at once; the first conc arrive over 2 s (Poisson),
-    the rest as slots free up. `send(i, prompt_ids)` returns {ttft_s, e2e_s, tokens}.
+    """rounds x conc requests, at most conc at once; the first conc arrive over 2 s (Poisson gaps,
+    the same schedule in every benchmark: :func:`first_wave_arrivals`), the rest as slots free up.
+    `send(i, prompt_ids)` returns {ttft_s, e2e_s, tokens}; `prompt()` draws from `rng`.
 
     With 3 rounds the run is short (~6 s at 64) and the 2 s of arrivals plus the last stream's
     three requests in a row bound it; more rounds measure closer to the steady state."""
     n = conc * rounds
-    arrivals, t = [], 0.0
-    for _ in range(n):
-        arrivals.append(t)
-        t += rng.expovariate(conc / 2.0) if len(arrivals) < conc else 0.0
+    first = first_wave_arrivals(conc)
+    arrivals = first + [first[-1]] * (n - conc)  # the rest wait at the semaphore for a free slot
     prompts = [prompt() for _ in range(n)]
     sem = asyncio.Semaphore(conc)
 
@@ -275,6 +294,7 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict
     texts = [r["ttft_text_s"] for r in ok if r.get("ttft_text_s") is not None]
     return {
         "requests": n, "failed": n - len(ok), "output_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "first_wave_last_arrival_s": round(first[-1], 3),
         "full_window": full_window(ok, conc) if len(ok) == n else None,
         "ttft_p50_ms": 1000 * percentile([r["ttft_s"] for r in ok], 50),
         "ttft_p95_ms": 1000 * percentile([r["ttft_s"] for r in ok], 95),
