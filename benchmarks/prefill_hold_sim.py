@@ -48,7 +48,10 @@ def interp(table: dict[int, float], x: int) -> float:
 
 def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output: int = 128,
              max_prefill_tokens: int = 2048, seed: int = 0, rows: int = 64, min_running: float = 0.5,
-             arrivals: list[float] | None = None) -> dict:
+             arrivals: list[float] | None = None, return_delay_s: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """`return_delay_s`: a stream's next request arrives this long (uniform in the range) after its last
+    one finished: the round trip through a client and the serving stack, which the engine alone lacks."""
+    delay_rng = random.Random(1)
     if arrivals is None:
         # the first wave: Poisson over ~2 s (as gpu_engine.concurrent_load before its schedule got an RNG
         # of its own; the hold figures in docs/gpu_notes.md runs 32 and 36 came from this one)
@@ -96,7 +99,7 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
                     del running[i]
                     left[i] -= 1
                     if left[i]:
-                        heapq.heappush(pending, (now, i))
+                        heapq.heappush(pending, (now + delay_rng.uniform(*return_delay_s), i))
     from benchmarks.gpu_engine import full_window
 
     ttft = [d["ttft_s"] for d in done]
@@ -126,6 +129,25 @@ def old_first_waves(prompts_before: int, prompt: int = 512) -> dict[int, list[fl
     return waves
 
 
+def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: list[int]) -> None:
+    """What holding prompts does to TTFT when the next requests come back through a stack (jittered)."""
+    from benchmarks.gpu_engine import first_wave_arrivals
+
+    rows = []
+    for lo, hi in delays_ms:
+        for conc in (32, 64):
+            for w in waits:
+                r = simulate(conc, 3, w, arrivals=first_wave_arrivals(conc), return_delay_s=(lo / 1000, hi / 1000))
+                rows.append({"return_delay_ms": [lo, hi], **r})
+    (out / "prefill_hold_sim_return_delay.json").write_text(json.dumps(rows, indent=2))
+    print("model (not a measurement), min running 0.5, 3 requests per stream, today's first wave")
+    print(f"{'return delay ms':<16}{'conc':>5}{'wait':>5}{'tok/s':>8}{'TTFT p50':>10}{'p95':>7}{'prefill':>8}")
+    for r in rows:
+        lo, hi = r["return_delay_ms"]
+        print(f"{f'{lo:g}-{hi:g}':<16}{r['conc']:>5}{r['wait_steps']:>5}{r['output_tok_s']:>8.0f}"
+              f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
+
+
 def schedules_report(out: Path) -> None:
     """How much the two benchmarks' different first waves alone move tok/s, in the model (hold 8)."""
     from benchmarks.gpu_engine import first_wave_arrivals
@@ -152,11 +174,18 @@ def main() -> None:
     p.add_argument("--min-running", default="0.5,0", help="the engine's prefill_hold_min_running values to model")
     p.add_argument("--steady-rounds", type=int, default=10, help="as gpu_engine.py's --steady-rounds")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
+    p.add_argument("--return-delay-ms", nargs="+", metavar="LO,HI",
+                   help="only model TTFT and tok/s at waits --waits when each stream's next request comes back "
+                        "LO-HI ms after its last finished (e.g. 0,0 10,40 20,80)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.schedules:
         schedules_report(out)
+        return
+    if args.return_delay_ms:
+        return_delay_report(out, [tuple(float(x) for x in d.split(",")) for d in args.return_delay_ms],
+                            [int(x) for x in args.waits.split(",")])
         return
     rows = [simulate(conc, rounds, w, min_running=m) for conc, rounds in ((32, 3), (64, 3), (64, args.steady_rounds))
             for m in (float(x) for x in args.min_running.split(","))
