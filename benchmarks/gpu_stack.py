@@ -179,6 +179,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
                       timeout=60).json()["bench/stable"]
     res["engine_forward_passes"] = stats.get("forward_passes")
     res["replica_gc"] = stats.get("gc")  # the LLM server process's collections since its constructor
+    res["engine_process_gc"] = stats.get("engine_process_gc")  # with --engine-process separate
     res["warm_up"] = stats.get("warm_up")
     if args.trace:
         time.sleep(2)  # the replicas' span processors export every 0.5 s
@@ -237,6 +238,11 @@ def print_report(res: dict, alone: dict | None, args) -> None:
         print(f"{'replica GC full collections':<34}{g['collections'][2]:>10d}  longest {g['pause_max_ms'][2]:.1f} ms, "
               f"{g['pause_total_ms'][2]:.0f} ms in all; young: {sum(g['collections'][:2])} collections, "
               f"{sum(g['pause_total_ms'][:2]):.0f} ms (the first full one is Ray Serve's startup collect + freeze)")
+    g = res.get("engine_process_gc") or {}
+    if g:
+        print(f"{'engine process GC full collections':<34}{g['collections'][2]:>10d}  longest {g['pause_max_ms'][2]:.1f} ms; "
+              f"young: {sum(g['collections'][:2])} collections, {sum(g['pause_total_ms'][:2]):.0f} ms "
+              f"({g['frozen_objects']} objects frozen after its start)")
 
 
 def main() -> None:

@@ -79,6 +79,9 @@ async def test_separate_process_answers_as_inline_does(smol_pair):
     assert [c.text for c in a] == [c.text for c in b]
     assert b[-1].finish_reason == "stop" and b[0].queue_time_s is not None
     assert separate.token_text(ids_of(b)[0]) == inline.token_text(ids_of(a)[0])
+    # the child froze what its start left (a full collection of it stalls the engine for ~1 s on a GPU host)
+    gc = await _eventually(lambda: (separate.process_gc or {}).get("frozen_objects", 0) > 10_000)
+    assert gc, separate.process_gc
 
 
 @pytestmark_async

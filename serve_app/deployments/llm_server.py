@@ -216,6 +216,8 @@ class LLMServer:
         s["gpu_memory_used_bytes"] = last.memory_used_bytes if last else None
         s["gpu_memory_total_bytes"] = last.memory_total_bytes if last else None
         s["gc"] = self._gc.snapshot()
+        if hasattr(self.engine, "process_gc"):  # engine.process "separate": the engine's own process
+            s["engine_process_gc"] = self.engine.process_gc
         return s
 
     async def check_health(self) -> None:

@@ -17,9 +17,14 @@ that only relays. One socket pair carries pickled messages:
   ``("abort", request_id)``, ``("health", n)``, ``("shutdown",)``;
 * child -> parent: ``("ready", info)``, ``("failed", text)``,
   ``("health", n, error_text_or_None)``, and
-  ``("out", [(request_id, EngineChunk | SeekserveError), ...], EngineStats | None)``:
+  ``("out", [(request_id, EngineChunk | SeekserveError), ...], EngineStats | None, gc | None)``:
   what the engine produced since the child's last send, as one message (under
   load, one per engine step rather than one per token or per stream).
+
+The child collects and freezes its objects once its engine has started, as
+Ray Serve does for each replica (``RAY_SERVE_FREEZE_GC_ON_STARTUP``): after a
+compile a full collection of them held the GIL for ~1 s (docs/gpu_notes.md
+run 27). Its collections come back with the stats (``process_gc``).
 
 A child that exits (a crash, the OOM killer) ends every open stream with
 :class:`~serve_app.errors.EngineError` and fails health checks from then on,
@@ -78,6 +83,7 @@ class SeparateProcessEngine(Engine):
         self._health: dict[int, asyncio.Future] = {}
         self._health_seq = 0
         self._stats = EngineStats()
+        self._child_gc: dict | None = None
         self._info: dict[str, Any] = {}
         self._gone: str | None = None  # why the child can no longer serve
         self._started = False
@@ -155,6 +161,11 @@ class SeparateProcessEngine(Engine):
         w = self._info.get("warm_up")
         return None if w is None else {**w, "engine_process_pid": self._proc.pid if self._proc else None}
 
+    @property
+    def process_gc(self) -> dict | None:
+        """The child's garbage-collector pauses (:mod:`serve_app.gcpause`), as of its last stats."""
+        return self._child_gc
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self._frontend.encode_chat(messages)
 
@@ -227,13 +238,15 @@ class SeparateProcessEngine(Engine):
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "out":
-            _, items, stats = msg
+            _, items, stats, child_gc = msg
             for rid, item in items:
                 queue = self._queues.get(rid)
                 if queue is not None:  # else: the consumer left; its abort is on the way
                     queue.put_nowait(item)
             if stats is not None:
                 self._stats = stats
+            if child_gc is not None:
+                self._child_gc = child_gc
         elif kind == "health":
             fut = self._health.get(msg[1])
             if fut is not None and not fut.done():
@@ -269,9 +282,10 @@ class SeparateProcessEngine(Engine):
 class _Relay:
     """Runs in the child: requests in, the engine's chunks out, batched per event-loop turn."""
 
-    def __init__(self, conn: Connection, engine: Engine):
+    def __init__(self, conn: Connection, engine: Engine, gc_pauses=None):
         self.conn = conn
         self.engine = engine
+        self.gc_pauses = gc_pauses
         self.loop = asyncio.get_running_loop()
         self.stopped = self.loop.create_future()
         self.tasks: dict[str, asyncio.Task] = {}
@@ -335,18 +349,21 @@ class _Relay:
         self._flush_scheduled = False
         items, self._pending = self._pending, []
         now = time.monotonic()
-        stats = None
+        stats = child_gc = None
         if now - self._stats_sent_at >= _STATS_BUSY_INTERVAL_S:
-            stats, self._stats_sent_at = self.engine.stats(), now
+            stats, child_gc, self._stats_sent_at = self.engine.stats(), self._gc(), now
         elif self._trailing_stats is None:
             # the last step of a burst must not leave the replica a stale count (autoscaling reads it)
             self._trailing_stats = self.loop.call_later(_STATS_BUSY_INTERVAL_S, self._send_stats)
-        self._send(("out", items, stats))
+        self._send(("out", items, stats, child_gc))
+
+    def _gc(self) -> dict | None:
+        return self.gc_pauses.snapshot() if self.gc_pauses is not None else None
 
     def _send_stats(self) -> None:
         self._trailing_stats = None
         self._stats_sent_at = time.monotonic()
-        self._send(("out", [], self.engine.stats()))
+        self._send(("out", [], self.engine.stats(), self._gc()))
 
     async def report_stats(self) -> None:
         while True:
@@ -380,7 +397,13 @@ async def _serve(conn: Connection) -> int:
         "load_time_s": getattr(engine, "load_time_s", None),
         "warm_up": getattr(engine, "warm_up", None),
     }))
-    relay = _Relay(conn, engine)
+    import gc
+
+    from serve_app import gcpause
+
+    gc.collect()
+    gc.freeze()  # later collections walk what requests allocate, not the load's and compile's objects
+    relay = _Relay(conn, engine, gcpause.pauses())
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), relay.on_readable)
     stats_task = loop.create_task(relay.report_stats())
