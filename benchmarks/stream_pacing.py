@@ -1,6 +1,7 @@
 """Many paced streams through the full stack: does the serving path keep up?
 
     python benchmarks/stream_pacing.py [--streams 32] [--tokens-per-s 50] [--intervals-ms 0 20 50]
+        [--engine-process inline separate]
 
 The null engine emits each stream's tokens at a fixed rate (like a GPU decoding
 a batch); the load generator holds `--streams` streams open over HTTP. For each
@@ -36,6 +37,9 @@ def replica_cpu_s() -> dict[str, float]:
     out: dict[str, float] = {}
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
+        if "-m serve_app.engines.process" in cmd:  # engine.process "separate": the engine's own process
+            t = p.cpu_times()
+            out["EngineProcess"] = out.get("EngineProcess", 0.0) + t.user + t.system
         for name in ("LLMServer", "Ingress"):
             if cmd.startswith("ray::ServeReplica:pacing:" + name):
                 t = p.cpu_times()
@@ -51,6 +55,8 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--intervals-ms", type=float, nargs="+", default=[0.0, 20.0, 50.0])
     add_http_proxy_arg(p)
+    p.add_argument("--engine-process", choices=["inline", "separate"], nargs="+", default=["inline"],
+                   help="engine.process for each interval, in this order (e.g. inline separate inline separate)")
     p.add_argument("--out", default=str(ROOT / "results" / "stream_pacing.json"))
     args = p.parse_args()
     from cluster.launcher import select_http_proxy
@@ -68,11 +74,11 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
     rows = []
-    for interval in args.intervals_ms:
+    for interval, engine_process in ((i, e) for i in args.intervals_ms for e in args.engine_process):
         cfg = parse_config({
             "models": [{"name": "null", "variants": [{"name": "stable", "max_ongoing_requests": 1024, "engine": {
-                "backend": "null", "options": {"num_tokens": args.tokens, "tokens_per_s": args.tokens_per_s,
-                                               "max_num_seqs": 1024}}}]}],
+                "backend": "null", "process": engine_process,
+                "options": {"num_tokens": args.tokens, "tokens_per_s": args.tokens_per_s, "max_num_seqs": 1024}}}]}],
             "server": {"stream_interval_ms": interval},
             "rollout": {"enabled": False},
         })
@@ -89,7 +95,7 @@ def main() -> None:
         per_1k = {f"{k}_cpu_ms_per_1k_tok": 1e6 * (cpu1[k] - cpu0.get(k, 0.0)) / max(1, r.output_tokens)
                   for k in cpu1}
         offered = args.streams * args.tokens_per_s
-        rows.append({"http_proxy": args.http_proxy, "stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
+        rows.append({"http_proxy": args.http_proxy, "engine_process": engine_process, "stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
                      "delivered_tok_s": s["output_tok_s"], "delivered_pct": 100 * s["output_tok_s"] / offered,
                      "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p95_ms": s["ttft_p95_ms"], "errors": s["errors"],
                      **per_1k})
@@ -98,9 +104,9 @@ def main() -> None:
     ray.shutdown()
     save_json(args.out, rows)
     print()
-    print_table(rows, ["http_proxy", "stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
+    print_table(rows, ["http_proxy", "engine_process", "stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
                        "ttft_p50_ms", "ttft_p95_ms", "errors", "LLMServer_cpu_ms_per_1k_tok",
-                       "Ingress_cpu_ms_per_1k_tok"])
+                       "Ingress_cpu_ms_per_1k_tok", "EngineProcess_cpu_ms_per_1k_tok"])
 
 
 if __name__ == "__main__":
