@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import _option, build_model_dir, concurrent_load, engine_options  # noqa: E402
-from benchmarks.loadgen import add_http_proxy_arg, free_port  # noqa: E402
+from benchmarks.loadgen import add_engine_process_arg, add_http_proxy_arg, free_port  # noqa: E402
 
 ADMIN_TOKEN = "gpu-stack-bench"
 
@@ -262,9 +262,8 @@ def main() -> None:
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
     add_http_proxy_arg(p, many=True)  # both: the second compile reuses Inductor's cache (below)
-    p.add_argument("--engine-process", choices=["inline", "separate"], nargs="+", default=["inline"],
-                   help="engine.process: the engine in the replica's process, in a child process of its own, "
-                        "or both one after the other (each with every --http-proxy)")
+    add_engine_process_arg(p, "engine.process: the engine in the replica's process, in a child process of its "
+                              "own, or both one after the other (each with every --http-proxy)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment

@@ -46,6 +46,16 @@ def interp(table: dict[int, float], x: int) -> float:
     return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
 
 
+def _old_wave(rng: random.Random, conc: int) -> list[float]:
+    """A first wave as gpu_engine.concurrent_load drew it before it had an RNG of its own: Poisson gaps
+    at conc / 2 s, `conc - 1` draws from `rng`."""
+    arrivals, t = [0.0], 0.0
+    for _ in range(conc - 1):
+        t += rng.expovariate(conc / 2.0)
+        arrivals.append(t)
+    return arrivals
+
+
 def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output: int = 128,
              max_prefill_tokens: int = 2048, seed: int = 0, rows: int = 64, min_running: float = 0.5,
              arrivals: list[float] | None = None, return_delay_s: tuple[float, float] = (0.0, 0.0)) -> dict:
@@ -53,13 +63,8 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
     one finished: the round trip through a client and the serving stack, which the engine alone lacks."""
     delay_rng = random.Random(1)
     if arrivals is None:
-        # the first wave: Poisson over ~2 s (as gpu_engine.concurrent_load before its schedule got an RNG
-        # of its own; the hold figures in docs/gpu_notes.md runs 32 and 36 came from this one)
-        rng = random.Random(seed)
-        arrivals, t = [], 0.0
-        for _ in range(conc):
-            arrivals.append(t)
-            t += rng.expovariate(conc / 2.0)
+        # the hold figures in docs/gpu_notes.md runs 32 and 36 came from this wave
+        arrivals = _old_wave(random.Random(seed), conc)
     pending = [(a, i) for i, a in enumerate(arrivals)]  # (arrival time s, stream)
     heapq.heapify(pending)
     left = {i: rounds for i in range(conc)}
@@ -119,13 +124,9 @@ def old_first_waves(prompts_before: int, prompt: int = 512) -> dict[int, list[fl
         draw()
     waves = {}
     for conc in (32, 64):
-        arrivals, t = [], 0.0
-        for _ in range(conc * 3):
-            arrivals.append(t)
-            t += rng.expovariate(conc / 2.0) if len(arrivals) < conc else 0.0
+        waves[conc] = _old_wave(rng, conc)
         for _ in range(conc * 3):
             draw()
-        waves[conc] = arrivals[:conc]
     return waves
 
 

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import (  # noqa: E402
+    add_engine_process_arg,
     add_http_proxy_arg,
     free_port,
     print_table,
@@ -55,8 +56,7 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--intervals-ms", type=float, nargs="+", default=[0.0, 20.0, 50.0])
     add_http_proxy_arg(p)
-    p.add_argument("--engine-process", choices=["inline", "separate"], nargs="+", default=["inline"],
-                   help="engine.process for each interval, in this order (e.g. inline separate inline separate)")
+    add_engine_process_arg(p, "engine.process for each interval, in this order (e.g. inline separate inline separate)")
     p.add_argument("--out", default=str(ROOT / "results" / "stream_pacing.json"))
     args = p.parse_args()
     from cluster.launcher import select_http_proxy

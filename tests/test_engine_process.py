@@ -50,6 +50,13 @@ def test_config_refuses_separate_process_where_it_cannot_run():
 def test_create_engine_lists_the_valid_process_layouts():
     with pytest.raises(ValueError, match="valid: inline, separate"):
         create_engine("null", {}, process="fork")
+    # the config's literal and the list the registry and benchmarks use are one set
+    from typing import get_args
+
+    from serve_app.config import EngineSpec
+    from serve_app.engines.options import ENGINE_PROCESSES
+
+    assert get_args(EngineSpec.model_fields["process"].annotation) == ENGINE_PROCESSES
 
 
 # ---- the real model across the boundary ----------------------------------------

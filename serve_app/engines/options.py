@@ -239,6 +239,9 @@ OPTIONS_BY_BACKEND = {
 # null: idle rank workers hold the bundles.
 MAX_TENSOR_PARALLEL = {"hf": 64, "null": 64, "trtllm": 64}
 
+# Where a replica's engine runs (engine.process): in the replica's process, or in a child of its own.
+ENGINE_PROCESSES = ("inline", "separate")
+
 # Built-in backends whose engine can run in a process of its own (engine.process "separate"):
 # they can tokenize without the model (Engine.frontend). trtllm places its own workers.
 SEPARATE_PROCESS_BACKENDS = frozenset({"hf", "null"})

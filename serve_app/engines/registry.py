@@ -61,4 +61,6 @@ def create_engine(name: str, options: dict | None = None, parallel=None, process
         from .process import SeparateProcessEngine
 
         return SeparateProcessEngine(name, validated, parallel)
-    raise ValueError(f"unknown engine process {process!r}; valid: inline, separate")
+    from .options import ENGINE_PROCESSES
+
+    raise ValueError(f"unknown engine process {process!r}; valid: {', '.join(ENGINE_PROCESSES)}")
