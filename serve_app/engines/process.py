@@ -3,9 +3,11 @@
 Why: inline, the engine's thread shares the replica's interpreter, and so one
 GIL, with the replica's event loop, which carries every stream's messages to
 the ingress. The engine thread drops the GIL around each kernel launch and each
-wait on the GPU, and takes it back behind whatever the event loop is doing; on
-the H200 the replica's engine made 78-85 % of the tokens the same engine made
-alone, and its prompts queued longer (docs/gpu_notes.md runs 21, 33, 38).
+wait on the GPU, and takes it back behind whatever the event loop is doing. On
+the H200 this layout made 6 % more tokens than inline at 64 concurrent streams
+(10 % while all 64 were in flight), and cut TTFT p50 from 137 to 109 ms
+(docs/gpu_notes.md run 39). On a host short of cores the extra process costs
+instead (docs/engines.md).
 
 The replica keeps the backend's tokenization (:meth:`Engine.frontend`, no
 model) and :class:`SeparateProcessEngine`, which implements the engine
