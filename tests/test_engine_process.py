@@ -67,7 +67,10 @@ pytestmark_async = pytest.mark.asyncio(loop_scope="module")
 async def smol_pair(embedded_model_dir):
     inline = create_engine("hf", SMOL_OPTS)
     separate = create_engine("hf", SMOL_OPTS, process="separate")
-    await asyncio.gather(inline.start(), separate.start())
+    # one after the other: both import transformers in a worker thread, and its lazy imports are not
+    # safe to race (seen once: "cannot import name 'AutoModelForCausalLM'")
+    await inline.start()
+    await separate.start()
     yield inline, separate
     await asyncio.gather(inline.shutdown(), separate.shutdown())
 
@@ -179,6 +182,25 @@ async def test_a_dead_child_fails_open_streams_and_health_not_silently():
             await eng.check_health()
         with pytest.raises(EngineNotReadyError):
             await run(eng, "later", eng.encode_text("hi"))
+        assert eng.stats().healthy is False
+    finally:
+        await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_request_the_dead_child_never_answered_is_not_ready_not_failed():
+    eng = create_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate")
+    await eng.start()
+    try:
+        proc = eng._proc
+        os.kill(proc.pid, signal.SIGSTOP)  # the request reaches the socket, never the engine
+        gen = eng.generate(GenerationRequest("unseen", eng.encode_text("hi"), SamplingParams(max_tokens=5)))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.2)
+        assert not first.done()
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineNotReadyError, match="exited"):
+            await first
         assert eng.stats().healthy is False
     finally:
         await eng.shutdown()

@@ -29,7 +29,9 @@ compile a full collection of them held the GIL for ~1 s (docs/gpu_notes.md
 run 27). Its collections come back with the stats (``process_gc``).
 
 A child that exits (a crash, the OOM killer) ends every open stream with
-:class:`~serve_app.errors.EngineError` and fails health checks from then on,
+:class:`~serve_app.errors.EngineError` (a request it had not answered yet with
+:class:`~serve_app.errors.EngineNotReadyError`, which a client may retry) and
+fails health checks from then on,
 so Ray Serve replaces the replica. A replica that dies closes the socket,
 and the child shuts its engine down on the end of file.
 """
@@ -62,6 +64,12 @@ _HEALTH_TIMEOUT_S = 10.0
 _SHUTDOWN_TIMEOUT_S = 30.0
 
 
+class _RequestQueue(asyncio.Queue):
+    """One request's items from the child; `started` once the child sent anything for it."""
+
+    started = False
+
+
 class SeparateProcessEngine(Engine):
     """The engine contract, served by a registered backend running in a child process."""
 
@@ -81,7 +89,7 @@ class SeparateProcessEngine(Engine):
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready_fut: asyncio.Future | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _RequestQueue] = {}
         self._health: dict[int, asyncio.Future] = {}
         self._health_seq = 0
         self._stats = EngineStats()
@@ -190,7 +198,7 @@ class SeparateProcessEngine(Engine):
         rid = request.request_id
         if rid in self._queues:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _RequestQueue()
         self._queues[rid] = queue
         ended = False
         try:
@@ -244,6 +252,7 @@ class SeparateProcessEngine(Engine):
             for rid, item in items:
                 queue = self._queues.get(rid)
                 if queue is not None:  # else: the consumer left; its abort is on the way
+                    queue.started = True
                     queue.put_nowait(item)
             if stats is not None:
                 self._stats = stats
@@ -270,9 +279,10 @@ class SeparateProcessEngine(Engine):
                 pass
             self._conn.close()
             self._conn = None
-        err = EngineError(reason)
         for queue in self._queues.values():
-            queue.put_nowait(err)
+            # a request the child sent nothing for never started (it may have been sent after the child
+            # died, before its socket's end was read): not ready, and retryable, like one that arrives later
+            queue.put_nowait(EngineError(reason) if queue.started else EngineNotReadyError(reason))
         for fut in self._health.values():
             if not fut.done():
                 fut.set_result(reason)
