@@ -32,6 +32,7 @@ class GcPauses:
         self.count = [0, 0, 0]
         self.total_ms = [0.0, 0.0, 0.0]
         self.max_ms = [0.0, 0.0, 0.0]
+        self._frozen = 0
 
     def callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -51,8 +52,18 @@ class GcPauses:
             "collections": list(self.count),
             "pause_total_ms": [round(x, 2) for x in self.total_ms],
             "pause_max_ms": [round(x, 2) for x in self.max_ms],
-            "frozen_objects": gc.get_freeze_count(),
+            "frozen_objects": self._frozen_objects(),
         }
+
+    def _frozen_objects(self) -> int:
+        # gc.get_freeze_count() walks the whole frozen list with the GIL held: for the 7B engine's
+        # ~0.8M objects ~75 ms, and the engine process sent a snapshot every 50 ms, which took its
+        # decode step from 4.75 to 79 ms on the H200 (docs/gpu_notes.md run 41). A serving process
+        # freezes once, at start (Ray Serve after a replica's constructor, the engine process after
+        # its engine starts), so the first count that finds anything frozen is kept.
+        if not self._frozen:
+            self._frozen = gc.get_freeze_count()
+        return self._frozen
 
 
 _PAUSES: GcPauses | None = None
