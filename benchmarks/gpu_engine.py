@@ -346,10 +346,10 @@ def _options(text: str) -> dict:
 
 
 # 2026-12-02 on the H200: prefill passes of 2048 and 8192 tokens gave the same throughput and 2048 the
-# lower TTFT tail, so 2048 is the main setting. 2026-12-03: holding prompts 8 passes (the engine's GPU
-# default since) beat 0 on throughput at 64, and 16 missed the TTFT target at 32 in its run; the comparisons
-# are those two
-DEFAULT_COMPARE = [{"max_prefill_wait_steps": 0}, {"max_prefill_wait_steps": 16}]
+# lower TTFT tail, so 2048 is the main setting. Holding prompts 8 passes was the GPU default from
+# 2026-12-03 (+2-15 % at 64 here) until the stack, whose streams return jittered, measured no gain from it and
+# a later first token (docs/gpu_notes.md run 43); the comparison shows what it does to the engine alone
+DEFAULT_COMPARE = [{"max_prefill_wait_steps": 8}]
 
 
 def main() -> None:

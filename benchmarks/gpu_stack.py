@@ -181,6 +181,8 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     res["replica_gc"] = stats.get("gc")  # the LLM server process's collections since its constructor
     res["engine_process_gc"] = stats.get("engine_process_gc")  # with --engine-process separate
     res["warm_up"] = stats.get("warm_up")
+    # what the layout was ("auto" picks one in the replica): only the engine's own process has a pid
+    res["engine_process_resolved"] = "separate" if (res["warm_up"] or {}).get("engine_process_pid") else "inline"
     if args.trace:
         time.sleep(2)  # the replicas' span processors export every 0.5 s
     serve.shutdown()
@@ -194,7 +196,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
 
 def print_report(res: dict, alone: dict | None, args) -> None:
     print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, engine "
-          f"{'in its own process' if res.get('engine_process') == 'separate' else 'in the replica process'}, streaming; "
+          f"{'in its own process' if res.get('engine_process_resolved', res.get('engine_process')) == 'separate' else 'in the replica process'}, streaming; "
           f"{args.ingress_replicas} ingress replicas, stream_interval_ms {args.stream_interval_ms:g}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
@@ -263,7 +265,8 @@ def main() -> None:
                    help="trace every request to a file and split each load's first token into its legs")
     add_http_proxy_arg(p, many=True)  # both: the second compile reuses Inductor's cache (below)
     add_engine_process_arg(p, "engine.process: the engine in the replica's process, in a child process of its "
-                              "own, or both one after the other (each with every --http-proxy)")
+                              "own, what 'auto' picks (the child on a GPU), or several one after the other "
+                              "(each with every --http-proxy)", default="auto")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment

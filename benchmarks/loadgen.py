@@ -26,11 +26,11 @@ def add_http_proxy_arg(p, many: bool = False) -> None:
                        help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
 
 
-def add_engine_process_arg(p, help_text: str) -> None:
+def add_engine_process_arg(p, help_text: str, default: str = "inline") -> None:
     """--engine-process: engine.process values to run, in the order given."""
     from serve_app.engines.options import ENGINE_PROCESSES
 
-    p.add_argument("--engine-process", choices=ENGINE_PROCESSES, nargs="+", default=["inline"], help=help_text)
+    p.add_argument("--engine-process", choices=ENGINE_PROCESSES, nargs="+", default=[default], help=help_text)
 
 
 def free_port() -> int:

@@ -47,8 +47,26 @@ def test_config_refuses_separate_process_where_it_cannot_run():
     assert cfg.models[0].variants[0].engine.process == "separate"
 
 
+def test_auto_is_the_default_and_separates_only_an_hf_engine_of_one_rank_on_a_gpu():
+    from serve_app.engines.options import HFEngineOptions, NullEngineOptions
+    from serve_app.engines.base import ParallelConfig
+    from serve_app.engines.process import SeparateProcessEngine
+    from serve_app.engines.registry import auto_engine_process
+
+    cfg = parse_config({"models": [{"name": "m", "variants": [{"name": "stable", "engine": {"backend": "null"}}]}]})
+    assert cfg.models[0].variants[0].engine.process == "auto"
+    one, two = ParallelConfig(tensor_parallel_size=1), ParallelConfig(tensor_parallel_size=2)
+    assert auto_engine_process("hf", HFEngineOptions(device="cuda"), one) == "separate"
+    assert auto_engine_process("hf", HFEngineOptions(device="cuda"), two) == "inline"
+    assert auto_engine_process("hf", HFEngineOptions(device="cpu"), one) == "inline"
+    assert auto_engine_process("hf", HFEngineOptions(device="auto"), None) == "inline"  # no GPU on this box
+    assert auto_engine_process("null", NullEngineOptions(), one) == "inline"
+    # and the engine it makes is the inline one
+    assert not isinstance(create_engine("null", {}, process="auto"), SeparateProcessEngine)
+
+
 def test_create_engine_lists_the_valid_process_layouts():
-    with pytest.raises(ValueError, match="valid: inline, separate"):
+    with pytest.raises(ValueError, match="valid: auto, inline, separate"):
         create_engine("null", {}, process="fork")
     # the config's literal and the list the registry and benchmarks use are one set
     from typing import get_args

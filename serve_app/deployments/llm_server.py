@@ -48,7 +48,7 @@ class LLMServer:
         sampling: dict | None = None,
         tracing: dict | None = None,
         stream_interval_s: float = 0.0,
-        engine_process: str = "inline",
+        engine_process: str = "auto",
     ):
         self.model_name = model_name
         self.variant = variant

@@ -15,12 +15,6 @@ from serve_app._model import StrictModel
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
 
 
-# H200, 7B, 2026-12-03 (docs/benchmarks.md section 3): holding 8 passes gained 5-15 % at 64 concurrent over
-# two runs; 16 gained more at 64 but its run's TTFT p95 at 32 was 207 ms, over the 200 ms target (8's was 131
-# and 275 ms in two runs, hence prefill_hold_min_running: nothing is held at 32 streams on 64 rows)
-GPU_PREFILL_WAIT_STEPS = 8
-
-
 class HFEngineOptions(StrictModel):
     model: str = Field(
         EMBEDDED_SMOLLM2,
@@ -55,15 +49,14 @@ class HFEngineOptions(StrictModel):
     max_prefill_tokens: int = Field(
         4096, ge=16, description="Padded prompt tokens one prefill forward pass may take."
     )
-    max_prefill_wait_steps: int | None = Field(
-        None, ge=0, le=1000,
+    max_prefill_wait_steps: int = Field(
+        0, ge=0, le=1000,
         description="Hold waiting prompts for up to this many forward passes while others decode, so more "
         "of them share one prefill pass (each pass stalls every running stream; text-generation-inference's "
         "max_waiting_tokens). A full pass's worth of prompts, or enough to fill every free row, goes at "
-        "once; nothing is held while fewer rows decode than prefill_hold_min_running asks. 0: prefill as soon "
-        "as a prompt arrives. Default: 8 on "
-        "a GPU (measured there: +5 to +15 % tok/s at 64 concurrent over two runs), 0 on "
-        "the CPU (not measured there).",
+        "once; nothing is held while fewer rows decode than prefill_hold_min_running asks. 0 (default): "
+        "prefill as soon as a prompt arrives. Measured on the H200 through the whole stack, holding 8 "
+        "gained nothing and added ~35 ms to TTFT p50 at 64 concurrent (docs/engines.md).",
     )
     prefill_hold_min_running: float = Field(
         0.5, ge=0.0, le=1.0,
@@ -136,12 +129,6 @@ class HFEngineOptions(StrictModel):
                 f"({self.max_kv_tokens}): one full-length sequence could never be scheduled"
             )
         return self
-
-    def prefill_wait_steps(self, device: str) -> int:
-        """What ``max_prefill_wait_steps`` None stands for on ``device`` ('cpu' or 'cuda')."""
-        if self.max_prefill_wait_steps is not None:
-            return self.max_prefill_wait_steps
-        return GPU_PREFILL_WAIT_STEPS if device == "cuda" else 0
 
     def resolved_kv_cache(self, device: str) -> str:
         """The cache 'auto' stands for on ``device`` ('cpu' or 'cuda')."""
@@ -239,8 +226,9 @@ OPTIONS_BY_BACKEND = {
 # null: idle rank workers hold the bundles.
 MAX_TENSOR_PARALLEL = {"hf": 64, "null": 64, "trtllm": 64}
 
-# Where a replica's engine runs (engine.process): in the replica's process, or in a child of its own.
-ENGINE_PROCESSES = ("inline", "separate")
+# Where a replica's engine runs (engine.process): in the replica's process, in a child of its own, or
+# "auto" (registry.auto_engine_process: the child for an hf engine of one rank on a GPU).
+ENGINE_PROCESSES = ("auto", "inline", "separate")
 
 # Built-in backends whose engine can run in a process of its own (engine.process "separate"):
 # they can tokenize without the model (Engine.frontend). trtllm places its own workers.
