@@ -44,7 +44,7 @@ def get_engine_class(name: str) -> type[Engine]:
 def auto_engine_process(name: str, options, parallel=None) -> str:
     """What engine.process "auto" stands for: "separate" for an hf engine of one rank that runs on a
     GPU, where the engine's own process measured 99 % of the engine alone's throughput at 64 streams
-    against 86 % inline (docs/gpu_notes.md run 42); "inline" for everything else, the CPU included,
+    against 86 % inline (docs/gpu_notes.md runs 41-42); "inline" for everything else, the CPU included,
     where the child's process competes with the replica's for few cores."""
     tp = parallel.tensor_parallel_size if parallel is not None else 1
     if name != "hf" or tp > 1:
