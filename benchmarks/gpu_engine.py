@@ -86,19 +86,21 @@ async def one(engine, rid, prompt, out_tokens, arrive_s=0.0, temperature=0.0):
 
     await asyncio.sleep(arrive_s)
     t0 = time.perf_counter()
-    first = first_text = None
+    first = first_text = queue = None
     n = 0
     async for c in engine.generate(GenerationRequest(rid, prompt, SamplingParams(max_tokens=out_tokens,
                                                                                  temperature=temperature,
                                                                                  ignore_eos=True))):
         if first is None:
             first = time.perf_counter() - t0
+            queue = c.queue_time_s
         if first_text is None and c.text:
             first_text = time.perf_counter() - t0
         n += len(c.token_ids)
     # first_text is what an HTTP client sees first (a token that completes no character sends no chunk);
     # the stack benchmark compares against it
-    return {"ttft_s": first, "ttft_text_s": first_text, "e2e_s": time.perf_counter() - t0, "tokens": n}
+    return {"ttft_s": first, "ttft_text_s": first_text, "e2e_s": time.perf_counter() - t0, "tokens": n,
+            "queue_s": queue}
 
 
 async def run(args) -> dict:
@@ -301,6 +303,11 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict
         # to the first token with text (the engine alone), as a streaming HTTP client sees it
         "ttft_text_p50_ms": 1000 * percentile(texts, 50),
         "ttft_text_p95_ms": 1000 * percentile(texts, 95),
+        # [start s, TTFT ms, of it in the engine's queue ms (None where the sender does not know it)], in
+        # start order: the TTFT tail's requests, when they came and whether they waited or computed
+        "per_request": [[round(r["start_s"], 4), round(1000 * r["ttft_s"], 2),
+                         None if r.get("queue_s") is None else round(1000 * r["queue_s"], 2)]
+                        for r in sorted(ok, key=lambda r: r["start_s"])],
     }
 
 
@@ -400,6 +407,10 @@ def main() -> None:
     print(f"{'TTFT p95 at 32 concurrent (ms)':<34}{c32['ttft_p95_ms']:>12.0f}  <= 200")
     print(f"{'TTFT p50 at 32 concurrent (ms)':<34}{c32['ttft_p50_ms']:>12.0f}")
     print(f"{'  to the first text, p95 / p50':<34}{c32['ttft_text_p95_ms']:>12.0f}{c32['ttft_text_p50_ms']:>8.0f}")
+    slow = sorted(c32.get("per_request", []), key=lambda r: -r[1])[:5]
+    if slow:
+        print(f"{'  slowest 5: start s / TTFT / queued ms':<34}  "
+              + ", ".join(f"{r[0]:.2f}/{r[1]:.0f}/{'?' if r[2] is None else f'{r[2]:.0f}'}" for r in slow))
     print(f"{'single-stream TTFT / first text':<34}{s['ttft_ms']:>12.1f}{s['ttft_text_ms']:>8.1f}")
     for change in args.compare:
         print(f"with {compare_tag(change)}:")
