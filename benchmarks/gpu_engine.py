@@ -246,11 +246,6 @@ def time_replay_ms(graph, reps: int, warmup: int) -> float:
     return a.elapsed_time(b) / reps
 
 
-async def _delayed(fn, i, delay):
-    await asyncio.sleep(delay)
-    return await fn(i)
-
-
 #: the first wave's span: its last request arrives this long after the first
 FIRST_WAVE_SPAN_S = 2.0
 
@@ -272,25 +267,34 @@ def first_wave_arrivals(conc: int, span_s: float = FIRST_WAVE_SPAN_S, seed: int 
 
 
 async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict:
-    """rounds x conc requests, at most conc at once; the first conc arrive over 2 s (Poisson gaps,
-    the same schedule in every benchmark: :func:`first_wave_arrivals`), the rest as slots free up.
-    `send(i, prompt_ids)` returns {ttft_s, e2e_s, tokens}; `prompt()` draws from `rng`.
+    """`conc` streams, each a closed loop of `rounds` requests: stream i's first request arrives at
+    :func:`first_wave_arrivals`'s i-th time (Poisson gaps over 2 s, the same schedule in every
+    benchmark), each next one as soon as its previous one has ended. `send(k, prompt_ids)` returns
+    {ttft_s, e2e_s, tokens}; `prompt()` draws from `rng`.
+
+    Until 2026-12-03 (after run 43) the requests after the first wave waited at a semaphore until the
+    wave's last arrival, so every stream whose first request ended before 2 s sent its next one at
+    2.00 s: a burst of ~21 prompts at 32 streams, ~34 at 64, which alone put the model's TTFT p95 at
+    183 / 282 ms (docs/gpu_notes.md, "The TTFT tail at 32").
 
     With 3 rounds the run is short (~6 s at 64) and the 2 s of arrivals plus the last stream's
     three requests in a row bound it; more rounds measure closer to the steady state."""
-    n = conc * rounds
     first = first_wave_arrivals(conc)
-    arrivals = first + [first[-1]] * (n - conc)  # the rest wait at the semaphore for a free slot
-    prompts = [prompt() for _ in range(n)]
-    sem = asyncio.Semaphore(conc)
+    # request k = round * conc + stream: the prompts come in the order the old schedule drew them
+    prompts = [prompt() for _ in range(conc * rounds)]
+    n = conc * rounds
 
-    async def limited(i):
-        async with sem:
+    async def stream(i: int) -> list[dict]:
+        await asyncio.sleep(first[i])
+        out = []
+        for r in range(rounds):
+            k = r * conc + i
             start = time.perf_counter() - t0
-            return {**await send(i, prompts[i]), "start_s": start}
+            out.append({**await send(k, prompts[k]), "start_s": start, "stream": i, "round": r})
+        return out
 
     t0 = time.perf_counter()
-    rs = await asyncio.gather(*[_delayed(limited, i, arrivals[i]) for i in range(n)])
+    rs = [r for rs_ in await asyncio.gather(*[stream(i) for i in range(conc)]) for r in rs_]
     wall = time.perf_counter() - t0
     ok = [r for r in rs if r.get("ttft_s") is not None]
     texts = [r["ttft_text_s"] for r in ok if r.get("ttft_text_s") is not None]
@@ -312,15 +316,24 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict
 
 
 def full_window(rs: list[dict], conc: int) -> dict | None:
-    """Output tok/s while all `conc` requests were in flight: from the first token of the last of the
-    first `conc` requests to the end that left a slot with nothing more to start. The run's own
-    tok/s also counts the 2 s of arrivals and the tail where streams run out; this is the figure
-    closer to a long run's. Tokens of a request are spread evenly between its first token and its
-    end (an estimate: the requests report no per-token times)."""
-    first_wave = sorted(rs, key=lambda r: r["start_s"])[:conc]
-    t_a = max(r["start_s"] + r["ttft_s"] for r in first_wave)
-    ends = sorted(r["start_s"] + r["e2e_s"] for r in rs)
-    t_b = ends[len(rs) - conc]
+    """Output tok/s while all `conc` streams were in flight: from the first token of the last stream's
+    first request to the end of the first stream that had nothing more to send. The run's own tok/s
+    also counts the 2 s of arrivals and the tail where streams run out; this is the figure closer to
+    a long run's. Tokens of a request are spread evenly between its first token and its end (an
+    estimate: the requests report no per-token times). Results without "stream" (the model's) take
+    the first `conc` starts as the first wave and the conc-th last end as the first stream's end."""
+    if rs and "stream" in rs[0]:
+        t_a = max(r["start_s"] + r["ttft_s"] for r in rs if r["round"] == 0)
+        last = {}
+        for r in rs:
+            end = r["start_s"] + r["e2e_s"]
+            last[r["stream"]] = max(last.get(r["stream"], 0.0), end)
+        t_b = min(last.values())
+    else:
+        first_wave = sorted(rs, key=lambda r: r["start_s"])[:conc]
+        t_a = max(r["start_s"] + r["ttft_s"] for r in first_wave)
+        ends = sorted(r["start_s"] + r["e2e_s"] for r in rs)
+        t_b = ends[len(rs) - conc]
     if t_b <= t_a:
         return None
     tokens = 0.0

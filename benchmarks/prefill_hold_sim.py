@@ -58,9 +58,12 @@ def _old_wave(rng: random.Random, conc: int) -> list[float]:
 
 def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output: int = 128,
              max_prefill_tokens: int = 2048, seed: int = 0, rows: int = 64, min_running: float = 0.5,
-             arrivals: list[float] | None = None, return_delay_s: tuple[float, float] = (0.0, 0.0)) -> dict:
+             arrivals: list[float] | None = None, return_delay_s: tuple[float, float] = (0.0, 0.0),
+             release_at_wave_end: bool = False) -> dict:
     """`return_delay_s`: a stream's next request arrives this long (uniform in the range) after its last
-    one finished: the round trip through a client and the serving stack, which the engine alone lacks."""
+    one finished: the round trip through a client and the serving stack, which the engine alone lacks.
+    `release_at_wave_end`: no next request before the first wave's last arrival, as the benchmarks'
+    load sent them until 2026-12-03 (after run 43; docs/gpu_notes.md, "The TTFT tail at 32")."""
     delay_rng = random.Random(1)
     if arrivals is None:
         # the hold figures in docs/gpu_notes.md runs 32 and 36 came from this wave
@@ -104,7 +107,8 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
                     del running[i]
                     left[i] -= 1
                     if left[i]:
-                        heapq.heappush(pending, (now + delay_rng.uniform(*return_delay_s), i))
+                        nxt = now + delay_rng.uniform(*return_delay_s)
+                        heapq.heappush(pending, (max(nxt, arrivals[-1]) if release_at_wave_end else nxt, i))
     from benchmarks.gpu_engine import full_window
 
     ttft = [d["ttft_s"] for d in done]
@@ -149,6 +153,23 @@ def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: 
               f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
 
 
+def release_report(out: Path) -> None:
+    """The benchmarks' load before and after each stream sent its next request at once (hold 0)."""
+    from benchmarks.gpu_engine import first_wave_arrivals
+
+    rows = []
+    for conc in (32, 64):
+        for old in (True, False):
+            r = simulate(conc, 3, 0, arrivals=first_wave_arrivals(conc), release_at_wave_end=old)
+            rows.append({"next_request": "at the wave's end (old)" if old else "at once (now)", **r})
+    (out / "prefill_hold_sim_release.json").write_text(json.dumps(rows, indent=2))
+    print("model (not a measurement), hold 0, 3 requests per stream, today's first wave")
+    print(f"{'next request':<26}{'conc':>5}{'tok/s':>8}{'TTFT p50':>10}{'p95':>7}{'prefill':>8}")
+    for r in rows:
+        print(f"{r['next_request']:<26}{r['conc']:>5}{r['output_tok_s']:>8.0f}{r['ttft_p50_ms']:>10.0f}"
+              f"{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
+
+
 def schedules_report(out: Path) -> None:
     """How much the two benchmarks' different first waves alone move tok/s, in the model (hold 8)."""
     from benchmarks.gpu_engine import first_wave_arrivals
@@ -171,6 +192,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--schedules", action="store_true",
                    help="only model the arrival schedules the engine and stack benchmarks met (and meet now)")
+    p.add_argument("--release", action="store_true",
+                   help="only model the load with each stream's next request held to the first wave's end (as "
+                        "the benchmarks sent them before 2026-12-03's fix) against sent at once")
     p.add_argument("--waits", default="0,4,8,16,32")
     p.add_argument("--min-running", default="0.5,0", help="the engine's prefill_hold_min_running values to model")
     p.add_argument("--steady-rounds", type=int, default=10, help="as gpu_engine.py's --steady-rounds")
@@ -183,6 +207,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.schedules:
         schedules_report(out)
+        return
+    if args.release:
+        release_report(out)
         return
     if args.return_delay_ms:
         return_delay_report(out, [tuple(float(x) for x in d.split(",")) for d in args.return_delay_ms],
