@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_engine import one  # noqa: E402
 from benchmarks.loadgen import add_engine_process_arg, print_table, save_json  # noqa: E402
 
 
 async def measure(args, process: str) -> dict:
-    from serve_app.engines.base import GenerationRequest, SamplingParams
     from serve_app.engines.registry import create_engine
 
     engine = create_engine("hf", {"model": args.model, "device": args.device}, process=process)
@@ -39,15 +39,9 @@ async def measure(args, process: str) -> dict:
     ttft, steps = [], []
     try:
         for i in range(args.requests):
-            sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-            req = GenerationRequest(f"{process}-{i}", list(range(100, 100 + args.prompt)), sampling)
-            t0, first, n = time.perf_counter(), None, 0
-            async for chunk in engine.generate(req):
-                if first is None:
-                    first = time.perf_counter() - t0
-                n += len(chunk.token_ids)
-            ttft.append(1000 * first)
-            steps.append(1000 * (time.perf_counter() - t0 - first) / (n - 1))
+            r = await one(engine, f"{process}-{i}", list(range(100, 100 + args.prompt)), args.tokens)
+            ttft.append(1000 * r["ttft_s"])
+            steps.append(1000 * (r["e2e_s"] - r["ttft_s"]) / (r["tokens"] - 1))
     finally:
         await engine.shutdown()
     return {"process": process, "engine_start_s": start_s, "requests": args.requests,

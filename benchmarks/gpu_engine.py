@@ -280,9 +280,9 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict
     With 3 rounds the run is short (~6 s at 64) and the 2 s of arrivals plus the last stream's
     three requests in a row bound it; more rounds measure closer to the steady state."""
     first = first_wave_arrivals(conc)
-    # request k = round * conc + stream: the prompts come in the order the old schedule drew them
-    prompts = [prompt() for _ in range(conc * rounds)]
     n = conc * rounds
+    # request k = round * conc + stream: the prompts come in the order the old schedule drew them
+    prompts = [prompt() for _ in range(n)]
 
     async def stream(i: int) -> list[dict]:
         await asyncio.sleep(first[i])

@@ -196,7 +196,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
 
 def print_report(res: dict, alone: dict | None, args) -> None:
     print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, engine "
-          f"{'in its own process' if res.get('engine_process_resolved', res.get('engine_process')) == 'separate' else 'in the replica process'}, streaming; "
+          f"{'in its own process' if res['engine_process_resolved'] == 'separate' else 'in the replica process'}, streaming; "
           f"{args.ingress_replicas} ingress replicas, stream_interval_ms {args.stream_interval_ms:g}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")

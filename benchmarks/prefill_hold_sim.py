@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import percentile  # noqa: E402
+from benchmarks.loadgen import percentile, print_table, save_json  # noqa: E402
 from serve_app.engines.prefill_policy import PrefillContext, hold_prefill  # noqa: E402
 
 STEP_MS = {1: 4.74, 8: 4.87, 32: 5.52, 64: 6.04}  # decode graph replay by rows, span 768
@@ -162,12 +162,9 @@ def release_report(out: Path) -> None:
         for old in (True, False):
             r = simulate(conc, 3, 0, arrivals=first_wave_arrivals(conc), release_at_wave_end=old)
             rows.append({"next_request": "at the wave's end (old)" if old else "at once (now)", **r})
-    (out / "prefill_hold_sim_release.json").write_text(json.dumps(rows, indent=2))
+    save_json(out / "prefill_hold_sim_release.json", rows)
     print("model (not a measurement), hold 0, 3 requests per stream, today's first wave")
-    print(f"{'next request':<26}{'conc':>5}{'tok/s':>8}{'TTFT p50':>10}{'p95':>7}{'prefill':>8}")
-    for r in rows:
-        print(f"{r['next_request']:<26}{r['conc']:>5}{r['output_tok_s']:>8.0f}{r['ttft_p50_ms']:>10.0f}"
-              f"{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
+    print_table(rows, ["next_request", "conc", "output_tok_s", "ttft_p50_ms", "ttft_p95_ms", "prefill_passes"])
 
 
 def schedules_report(out: Path) -> None:

@@ -14,14 +14,22 @@ from __future__ import annotations
 from serve_app.errors import EngineNotReadyError
 
 
+def resolve_device(device: str) -> str:
+    """What an ``HFEngineOptions.device`` stands for in this process: 'auto' is cuda where a GPU is
+    visible (``is_available()`` makes no CUDA context), else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_device_dtype(opts) -> tuple[str, str]:
     """The device ('cuda' or 'cpu') and torch dtype name that ``HFEngineOptions``
     stand for in this process (a replica, or one tensor-parallel rank)."""
     import torch
 
-    device = opts.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(opts.device)
     if device == "cuda" and not torch.cuda.is_available():
         raise EngineNotReadyError("engine.options.device is 'cuda' but no GPU is visible")
     dtype_name = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -49,12 +49,9 @@ def auto_engine_process(name: str, options, parallel=None) -> str:
     tp = parallel.tensor_parallel_size if parallel is not None else 1
     if name != "hf" or tp > 1:
         return "inline"
-    device = options.device
-    if device == "auto":
-        import torch  # the hf engine imports it anyway; is_available() makes no CUDA context
+    from .hf_batch import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "separate" if device == "cuda" else "inline"
+    return "separate" if resolve_device(options.device) == "cuda" else "inline"
 
 
 def options_model_for(name: str):
