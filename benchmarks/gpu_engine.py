@@ -274,7 +274,7 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict
 
     Until 2026-12-03 (after run 43) the requests after the first wave waited at a semaphore until the
     wave's last arrival, so every stream whose first request ended before 2 s sent its next one at
-    2.00 s: a burst of ~21 prompts at 32 streams, ~34 at 64, which alone put the model's TTFT p95 at
+    2.00 s: 20 streams' next prompts at once at 32 streams, 33 at 64 (in the model), which alone put its TTFT p95 at
     183 / 282 ms (docs/gpu_notes.md, "The TTFT tail at 32").
 
     With 3 rounds the run is short (~6 s at 64) and the 2 s of arrivals plus the last stream's
