@@ -366,10 +366,10 @@ def _options(text: str) -> dict:
 
 
 # 2026-12-02 on the H200: prefill passes of 2048 and 8192 tokens gave the same throughput and 2048 the
-# lower TTFT tail, so 2048 is the main setting. Holding prompts 8 passes was the GPU default from
-# 2026-12-03 (+2-15 % at 64 here) until the stack, whose streams return jittered, measured no gain from it and
-# a later first token (docs/gpu_notes.md run 43); the comparison shows what it does to the engine alone
-DEFAULT_COMPARE = [{"max_prefill_wait_steps": 8}]
+# lower TTFT tail, so 2048 is the main setting. Holding prompts 8 passes (the GPU default) against not holding:
+# the default went to 0 after run 43 and back to 8 after run 44, the first on per-stream closed loops
+# (docs/gpu_notes.md), so the comparison stays in every run
+DEFAULT_COMPARE = [{"max_prefill_wait_steps": 0}]
 
 
 def main() -> None:

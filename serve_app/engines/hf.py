@@ -454,7 +454,7 @@ class HFEngine(HFTokenization, Engine):
 
     def _hold_prefill(self) -> bool:
         opts = self.options
-        wait_steps = opts.max_prefill_wait_steps
+        wait_steps = opts.prefill_wait_steps(self.device.type)
         if not self._waiting or wait_steps <= 0:
             return False
         tokens = 0
