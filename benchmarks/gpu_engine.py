@@ -123,7 +123,9 @@ async def run(args) -> dict:
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(1000, 40000) for _ in range(args.prompt)]  # noqa: E731
     results = {"build_model_s": build_s, "engine_ready_s": ready_s, "gpu": torch.cuda.get_device_name(0),
-               "kv_cache": args.kv_cache, "options": options}
+               "kv_cache": args.kv_cache, "options": options,
+               # the default moved with the load (docs/gpu_notes.md runs 43-44): the raw file says what ran
+               "prefill_wait_steps": engine.options.prefill_wait_steps(engine.device.type)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -395,7 +397,8 @@ def main() -> None:
     res = asyncio.run(run(args))
     floor_ms = 3.6
     s = res["single"]
-    print(f"\nGPU: {res['gpu']}; kv_cache {args.kv_cache}; model build {res['build_model_s']:.0f} s; "
+    print(f"\nGPU: {res['gpu']}; kv_cache {args.kv_cache}; prefill hold {res['prefill_wait_steps']} passes; "
+          f"model build {res['build_model_s']:.0f} s; "
           f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {res.get('graphs', 0)} in "
           f"{res.get('graph_capture_s', 0):.1f} s, of which compile {res.get('compile_s', 0):.1f} s "
           f"+ prefill {res.get('prefill_compile_s', 0):.1f} s; "
