@@ -14,9 +14,10 @@ from serve_app._model import StrictModel
 
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
 
-# H200, 7B, 512/128, per-stream closed loops (docs/gpu_notes.md run 44): holding 8 passes made 4,310 against
-# 3,955 tok/s at 64 concurrent alone and 4,236 against 3,908 through the stack. Run 43's contrary result
-# (no gain, later first tokens) came from the old load generator's burst at the first wave's end
+# H200, 7B, 512/128, per-stream closed loops (docs/gpu_notes.md runs 44-45, two machines): holding 8 passes
+# made 4,310 / 4,312 against 3,955 / 4,140 tok/s at 64 concurrent alone and 4,236 / 4,298 against 3,908 /
+# 4,209 through the stack. Run 43's contrary result (no gain, later first tokens) came from the old load
+# generator's burst at the first wave's end
 GPU_PREFILL_WAIT_STEPS = 8
 
 
@@ -60,9 +61,9 @@ class HFEngineOptions(StrictModel):
         "of them share one prefill pass (each pass stalls every running stream; text-generation-inference's "
         "max_waiting_tokens). A full pass's worth of prompts, or enough to fill every free row, goes at "
         "once; nothing is held while fewer rows decode than prefill_hold_min_running asks. 0: prefill as "
-        "soon as a prompt arrives. Default: 8 on a GPU (measured on the H200 with per-stream arrivals: "
-        "+9 % tok/s at 64 concurrent alone and +8 % through the stack, TTFT p95 at 32 lower), 0 on the CPU "
-        "(not measured there; docs/engines.md).",
+        "soon as a prompt arrives. Default: 8 on a GPU (measured on two H200s with per-stream arrivals: "
+        "+4 to +9 % tok/s at 64 concurrent alone, +2 to +8 % through the stack; TTFT p50 at 64 moved "
+        "-13 to +30 ms), 0 on the CPU (not measured there; docs/engines.md).",
     )
     prefill_hold_min_running: float = Field(
         0.5, ge=0.0, le=1.0,
