@@ -29,6 +29,7 @@ Prints a table last and writes gpu_attention_probe.json. No Ray, no model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -108,11 +109,8 @@ def build_variant(torch, name: str, pos, span: int, scale: float):
 
         def layer(q, k, v, bias):
             qg = q.reshape(rows, KV_HEADS, group, HEAD_DIM)  # the group's query heads as query positions
-            if backend is None:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
-            else:
-                with sdpa_kernel(backend):
-                    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
             return out.reshape(rows, 1, HEADS, HEAD_DIM)
 
         return setup, layer
@@ -196,21 +194,20 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                  "layers": layers, "span": span, "max_len": max_len, "runs": []}
     out = Path(args.out) / "gpu_attention_probe.json"
-    inputs_by_rows = {}
     for rows in rows_list:
-        inputs_by_rows[rows] = make_inputs(torch, rows, span, max_len, layers, slots, device, seed=rows)
+        inputs = make_inputs(torch, rows, span, max_len, layers, slots, device, seed=rows)
         for name in args.variants.split(","):
             torch._dynamo.reset()
             row = {"variant": name, "rows": rows}
             try:
-                row.update(run_variant(torch, name, rows, span, inputs_by_rows[rows], args.reps))
+                row.update(run_variant(torch, name, rows, span, inputs, args.reps))
             except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a result
                 row["error"] = repr(e)[:300]
                 row["trace"] = traceback.format_exc()[-1500:]
             res["runs"].append(row)
             save_json(out, res)
             print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
-        del inputs_by_rows[rows]
+        del inputs  # 7.5 GB on cuda: freed before the next batch size's buffers
         if cuda:
             torch.cuda.empty_cache()
 
