@@ -179,8 +179,11 @@ async def run(args) -> dict:
     for k, change in enumerate(args.compare):
         targets = {key: (slots, key[6:]) if key.startswith("slots.") else (engine.options, key) for key in change}
         base = {key: getattr(obj, name) for key, (obj, name) in targets.items()}
+        t_switch = time.perf_counter()
         for key, value in change.items():
             setattr(*targets[key], value)
+        # e.g. slots.span_step captures the graphs its buckets lack: what that costs on a live engine
+        results.setdefault("compare_switch_s", {})[compare_tag(change)] = round(time.perf_counter() - t_switch, 2)
         for conc in (32, 64):
             await load(f"concurrency_{conc}_{compare_tag(change)}", conc, f"p{k}-{conc}")
         if args.steady_rounds:
@@ -189,6 +192,8 @@ async def run(args) -> dict:
             setattr(*targets[key], value)
     if slots is not None and slots.use_graphs:
         results["graph_replay_ms"] = graph_replay_ms(slots)
+        results["graph_replay_ms_by_span"] = graph_replay_ms_by_span(slots)
+        results["graphs_at_end"] = len(slots.graphs)
         save()
     await engine.shutdown()
     return results
@@ -230,6 +235,18 @@ def graph_replay_ms(slots, reps: int = 30) -> dict:
     # a compiled step has no batch-1 graph (one compile serves batches >= 2): batch 1 replays batch 2's
     return {str(rows): time_replay_ms(slots.graphs[(bucket(rows, slots.batch_sizes), span)][0], reps, warmup=1)
             for rows in (1, 8, 32, 64)}
+
+
+def graph_replay_ms_by_span(slots, reps: int = 30) -> dict:
+    """The same at batch 1 and 64 for every captured span from 512 to 1024 (a compare of span steps
+    leaves more of them captured): how a step's time follows the keys and values it reads."""
+    from serve_app.engines.slot_kv import bucket
+
+    spans = sorted({span for _, span in slots.graphs if 512 <= span <= 1024})
+    return {str(rows): {str(span): round(time_replay_ms(slots.graphs[(bucket(rows, slots.batch_sizes), span)][0],
+                                                        reps, warmup=1), 3)
+                        for span in spans if (bucket(rows, slots.batch_sizes), span) in slots.graphs}
+            for rows in (1, 64)}
 
 
 def time_replay_ms(graph, reps: int, warmup: int) -> float:
@@ -447,6 +464,10 @@ def main() -> None:
           f"  (after the engine started, through the 64-concurrent load)")
     for rows, ms in res.get("graph_replay_ms", {}).items():
         print(f"{f'graph replay alone, batch {rows} (ms)':<34}{ms:>12.2f}")
+    for rows, by_span in res.get("graph_replay_ms_by_span", {}).items():
+        print(f"{f'  batch {rows} by span':<34}  " + ", ".join(f"{s}: {ms:.2f}" for s, ms in by_span.items()))
+    for tag, s_ in res.get("compare_switch_s", {}).items():
+        print(f"{f'switch to {tag} (s)':<34}{s_:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,18 @@ def test_compiled_decoder_has_no_batch_of_one_and_a_spare_position():
     assert plain.batch_sizes == [1, 2, 4, 8] and plain.cache.keys[0].shape[2] == 128
 
 
+def test_span_step_rebuckets_the_spans_up_to_the_full_length():
+    dec = _decoder(_tiny("qwen2"), compile_step=True)
+    assert dec.span_step == 32 and dec.spans == [32, 64, 96, 128]
+    dec.span_step = 48
+    assert dec.spans == [48, 96, 128] and dec.graphs == {}  # nothing captured on the CPU
+    with torch.inference_mode():
+        dec.prefill([[5, 6, 7]], [0], 0)
+        dec.positions[0], dec.active[0] = 100, 1
+        dec.decode(1, 101)  # without graphs a step runs at its exact span; the buckets only pick graphs
+    assert dec.positions[0].item() == 101
+
+
 @needs_cxx
 def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
     from torch._dynamo.utils import counters

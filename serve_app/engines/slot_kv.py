@@ -156,8 +156,9 @@ class SlotDecoder:
         self.compile_step = compile_step
         low = 2 if compile_step else 1
         self.batch_sizes = sorted({min(max(b, low), num_slots) for b in batch_sizes} | {num_slots})
-        self.spans = sorted({min(max_len, s) for s in range(span_step, max_len + span_step, span_step)})
         self.graphs: dict[tuple[int, int], tuple[object, object]] = {}
+        self._pool = None  # the graphs' shared memory pool, from the first capture on
+        self.span_step = span_step
         self.capture_s = 0.0
         self.compile_s = 0.0
         self.compile_error: str | None = None
@@ -168,6 +169,20 @@ class SlotDecoder:
         self.prefill_eager_passes = 0  # passes of a shape the compiled prefill does not cover
         # the compiled prefill is used while this is on (a benchmark turns it off on a live engine to compare)
         self.prefill_compiled = False
+
+    @property
+    def span_step(self) -> int:
+        return self._span_step
+
+    @span_step.setter
+    def span_step(self, step: int) -> None:
+        """Re-buckets the attention spans; once graphs are captured, also captures the (batch, span)
+        graphs the new buckets lack (the compiled step serves any span, so no compile). A benchmark
+        switches it on a live, idle engine to compare span steps without a second warm-up."""
+        self._span_step = step
+        self.spans = sorted({min(self.max_len, s) for s in range(step, self.max_len + step, step)})
+        if self.graphs:
+            self._capture_missing()
 
     @property
     def has_compiled_prefill(self) -> bool:
@@ -310,25 +325,37 @@ class SlotDecoder:
         t0 = time.monotonic()
         if self.compile_prefill:
             self.compile_prefill_pass()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         if self.compile_step:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.compile()
+            torch.cuda.current_stream().wait_stream(stream)
+        self._capture_missing()
+        self.capture_s = time.monotonic() - t0
+        log.info("captured %d decode graphs (batch %s x span %s) in %.1fs (compile %.1fs)", len(self.graphs),
+                 self.batch_sizes, self.spans, self.capture_s, self.compile_s)
+
+    def _capture_missing(self) -> None:
+        """Captures a graph for every (batch, span) bucket that has none yet."""
+        import torch
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
         # largest first, so smaller graphs reuse the pool's blocks
         for rows in sorted(self.batch_sizes, reverse=True):
             for span in sorted(self.spans, reverse=True):
+                if (rows, span) in self.graphs:
+                    continue
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # lazy inits and cuBLAS workspaces happen outside the capture
                         self._step(rows, span)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                     out = self._step(rows, span)
                 self.graphs[(rows, span)] = (graph, out)
         torch.cuda.synchronize()
         self.positions.zero_()
-        self.capture_s = time.monotonic() - t0
-        log.info("captured %d decode graphs (batch %s x span %s) in %.1fs (compile %.1fs)", len(self.graphs),
-                 self.batch_sizes, self.spans, self.capture_s, self.compile_s)
