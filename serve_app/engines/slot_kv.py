@@ -179,10 +179,15 @@ class SlotDecoder:
         """Re-buckets the attention spans; once graphs are captured, also captures the (batch, span)
         graphs the new buckets lack (the compiled step serves any span, so no compile). A benchmark
         switches it on a live, idle engine to compare span steps without a second warm-up."""
+        import torch
+
         self._span_step = step
         self.spans = sorted({min(self.max_len, s) for s in range(step, self.max_len + step, step)})
         if self.graphs:
-            self._capture_missing()
+            # the mode the first capture ran in (HFEngine's start): grad mode is one of the compiled step's
+            # guards, and a step traced with grad on recompiles for autograd and fails on its in-place writes
+            with torch.inference_mode():
+                self._capture_missing()
 
     @property
     def has_compiled_prefill(self) -> bool:
