@@ -102,6 +102,9 @@ async def drive(base: str, model: str, args) -> dict:
             out[f"concurrency_{conc}"] = await concurrent_load(
                 lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng)
             out[f"concurrency_{conc}"]["window_ns"] = [t0_ns, time.time_ns()]
+        if args.steady_rounds:  # as gpu_engine.py's --steady-rounds, same key
+            out["concurrency_64_steady"] = await concurrent_load(
+                lambda i, p: http_one(client, url, model, p, args.output), 64, prompt, rng, args.steady_rounds)
     return out
 
 
@@ -200,14 +203,17 @@ def print_report(res: dict, alone: dict | None, args) -> None:
           f"{args.ingress_replicas} ingress replicas, stream_interval_ms {args.stream_interval_ms:g}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
-    for conc in args.concurrency:
-        c = res[f"concurrency_{conc}"]
-        a = (alone or {}).get(f"concurrency_{conc}", {})
+    loads = [(f"concurrency_{conc}", f"at {conc}") for conc in args.concurrency]
+    if "concurrency_64_steady" in res:
+        loads.append(("concurrency_64_steady", f"at 64, {args.steady_rounds}/stream"))
+    for key, at in loads:
+        c = res[key]
+        a = (alone or {}).get(key, {})
         # the two runs compare only on one arrival schedule (engine files before 2026-12-03 lack the field)
         same = a.get("first_wave_last_arrival_s") == c.get("first_wave_last_arrival_s")
         ratio = (f"  {100 * c['output_tok_s'] / a['output_tok_s']:.0f} % of engine (>= 95 %)"
                  + ("" if same else "; other arrival schedule: not comparable")) if a else ""
-        print(f"{f'output tok/s at {conc}':<34}{c['output_tok_s']:>10.0f}{a.get('output_tok_s', float('nan')):>10.0f}"
+        print(f"{f'output tok/s {at}':<34}{c['output_tok_s']:>10.0f}{a.get('output_tok_s', float('nan')):>10.0f}"
               f"{ratio}")
         fw, afw = c.get("full_window") or {}, a.get("full_window") or {}
         if fw:
@@ -218,9 +224,9 @@ def print_report(res: dict, alone: dict | None, args) -> None:
               f"{a.get('first_wave_last_arrival_s', float('nan')):>10.2f}")
         # both columns to the first text: an HTTP client gets no chunk for a token without text
         added = f"  +{c['ttft_p50_ms'] - a['ttft_text_p50_ms']:.1f} ms (<= 5 ms)" if a.get("ttft_text_p50_ms") else ""
-        print(f"{f'TTFT p50 at {conc} (ms)':<34}{c['ttft_p50_ms']:>10.1f}"
+        print(f"{f'TTFT p50 {at} (ms)':<34}{c['ttft_p50_ms']:>10.1f}"
               f"{a.get('ttft_text_p50_ms', float('nan')):>10.1f}{added}")
-        print(f"{f'TTFT p95 at {conc} (ms)':<34}{c['ttft_p95_ms']:>10.1f}"
+        print(f"{f'TTFT p95 {at} (ms)':<34}{c['ttft_p95_ms']:>10.1f}"
               f"{a.get('ttft_text_p95_ms', float('nan')):>10.1f}")
         if c["failed"]:
             print(f"  {c['failed']} requests failed")
@@ -267,6 +273,9 @@ def main() -> None:
     add_engine_process_arg(p, "engine.process: the engine in the replica's process, in a child process of its "
                               "own, what 'auto' picks (the child on a GPU), or several one after the other "
                               "(each with every --http-proxy)", default="auto")
+    p.add_argument("--steady-rounds", type=int, default=0,
+                   help="requests per stream of a longer 64-concurrent load after the others (0: none), "
+                        "against gpu_engine.py's of the same name")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     args = p.parse_args()
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment
