@@ -103,8 +103,10 @@ async def drive(base: str, model: str, args) -> dict:
                 lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng)
             out[f"concurrency_{conc}"]["window_ns"] = [t0_ns, time.time_ns()]
         if args.steady_rounds:  # as gpu_engine.py's --steady-rounds, same key
+            t0_ns = time.time_ns()
             out["concurrency_64_steady"] = await concurrent_load(
                 lambda i, p: http_one(client, url, model, p, args.output), 64, prompt, rng, args.steady_rounds)
+            out["concurrency_64_steady"]["window_ns"] = [t0_ns, time.time_ns()]
     return out
 
 
@@ -191,9 +193,8 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     serve.shutdown()
     ray.shutdown()
     if args.trace:
-        for conc in args.concurrency:
-            res[f"concurrency_{conc}"]["first_token_legs"] = first_token_breakdown(
-                trace_file, res[f"concurrency_{conc}"]["window_ns"])
+        for key in [k for k in res if k.startswith("concurrency_")]:
+            res[key]["first_token_legs"] = first_token_breakdown(trace_file, res[key]["window_ns"])
     return res
 
 
