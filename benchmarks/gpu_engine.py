@@ -242,11 +242,13 @@ def graph_replay_ms_by_span(slots, reps: int = 30) -> dict:
     leaves more of them captured): how a step's time follows the keys and values it reads."""
     from serve_app.engines.slot_kv import bucket
 
-    spans = sorted({span for _, span in slots.graphs if 512 <= span <= 1024})
-    return {str(rows): {str(span): round(time_replay_ms(slots.graphs[(bucket(rows, slots.batch_sizes), span)][0],
-                                                        reps, warmup=1), 3)
-                        for span in spans if (bucket(rows, slots.batch_sizes), span) in slots.graphs}
-            for rows in (1, 64)}
+    out = {}
+    for rows in (1, 64):
+        batch = bucket(rows, slots.batch_sizes)
+        out[str(rows)] = {str(span): round(time_replay_ms(graph, reps, warmup=1), 3)
+                          for (b, span), (graph, _) in sorted(slots.graphs.items())
+                          if b == batch and 512 <= span <= 1024}
+    return out
 
 
 def time_replay_ms(graph, reps: int, warmup: int) -> float:

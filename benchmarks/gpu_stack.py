@@ -97,16 +97,20 @@ async def drive(base: str, model: str, args) -> dict:
         out["single"] = {"decode_step_ms": 1000 * steps[1],
                          "ttft_ms": 1000 * sorted(r["ttft_s"] for r in singles)[1],
                          "ttft_via_handle_ms": await handle_first_token_ms(prompt(), args.output)}
-        for conc in args.concurrency:
+        for key, conc, rounds, _ in loads(args):
             t0_ns = time.time_ns()
-            out[f"concurrency_{conc}"] = await concurrent_load(
-                lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng)
-            out[f"concurrency_{conc}"]["window_ns"] = [t0_ns, time.time_ns()]
-        if args.steady_rounds:  # as gpu_engine.py's --steady-rounds, same key
-            t0_ns = time.time_ns()
-            out["concurrency_64_steady"] = await concurrent_load(
-                lambda i, p: http_one(client, url, model, p, args.output), 64, prompt, rng, args.steady_rounds)
-            out["concurrency_64_steady"]["window_ns"] = [t0_ns, time.time_ns()]
+            out[key] = await concurrent_load(
+                lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds)
+            out[key]["window_ns"] = [t0_ns, time.time_ns()]
+    return out
+
+
+def loads(args) -> list[tuple[str, int, int, str]]:
+    """(result key, streams, requests per stream, label) of each load, in the order they run: one per
+    --concurrency, then --steady-rounds' longer 64-stream load (gpu_engine.py's of the same key)."""
+    out = [(f"concurrency_{conc}", conc, 3, f"at {conc}") for conc in args.concurrency]
+    if args.steady_rounds:
+        out.append(("concurrency_64_steady", 64, args.steady_rounds, f"at 64, {args.steady_rounds}/stream"))
     return out
 
 
@@ -204,10 +208,7 @@ def print_report(res: dict, alone: dict | None, args) -> None:
           f"{args.ingress_replicas} ingress replicas, stream_interval_ms {args.stream_interval_ms:g}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
-    loads = [(f"concurrency_{conc}", f"at {conc}") for conc in args.concurrency]
-    if "concurrency_64_steady" in res:
-        loads.append(("concurrency_64_steady", f"at 64, {args.steady_rounds}/stream"))
-    for key, at in loads:
+    for key, _, _, at in loads(args):
         c = res[key]
         a = (alone or {}).get(key, {})
         # the two runs compare only on one arrival schedule (engine files before 2026-12-03 lack the field)
