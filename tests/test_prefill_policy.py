@@ -44,12 +44,10 @@ def test_the_wait_limit_counts_passes_from_zero():
     assert not hold_prefill(ctx(oldest_waited_steps=9))[0]
 
 
-def test_the_engine_option_holds_on_a_gpu_only_unless_set():
-    from serve_app.engines.options import GPU_PREFILL_WAIT_STEPS, HFEngineOptions
+def test_the_engine_option_holds_only_when_set():
+    from serve_app.engines.options import HFEngineOptions
 
-    assert HFEngineOptions().prefill_wait_steps("cuda") == GPU_PREFILL_WAIT_STEPS > 0
-    assert HFEngineOptions().prefill_wait_steps("cpu") == 0
-    assert HFEngineOptions(max_prefill_wait_steps=0).prefill_wait_steps("cuda") == 0
-    assert HFEngineOptions(max_prefill_wait_steps=3).prefill_wait_steps("cpu") == 3
+    assert HFEngineOptions().max_prefill_wait_steps == 0
+    assert HFEngineOptions(max_prefill_wait_steps=3).max_prefill_wait_steps == 3
     with pytest.raises(ValueError, match="max_prefill_wait_steps"):
         HFEngineOptions(max_prefill_wait_steps=-1)

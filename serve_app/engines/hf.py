@@ -243,7 +243,7 @@ class HFEngine(HFTokenization, Engine):
         self._slots = SlotDecoder(
             self.model, opts.max_num_seqs, self._max_model_len, self.dtype, self.device,
             use_graphs=use_graphs, compile_step=use_graphs and opts.compile_decode,
-            compile_prefill=use_graphs and opts.compile_prefill, compile_mode=opts.decode_compile_mode,
+            compile_prefill=use_graphs and opts.compile_prefill,
             batch_sizes=[b for b in sizes if b <= opts.max_num_seqs], span_step=opts.cuda_graph_span_step)
         self._free = list(range(opts.max_num_seqs))
         heapq.heapify(self._free)
@@ -454,7 +454,7 @@ class HFEngine(HFTokenization, Engine):
 
     def _hold_prefill(self) -> bool:
         opts = self.options
-        wait_steps = opts.prefill_wait_steps(self.device.type)
+        wait_steps = opts.max_prefill_wait_steps
         if not self._waiting or wait_steps <= 0:
             return False
         tokens = 0

@@ -14,13 +14,6 @@ from serve_app._model import StrictModel
 
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
 
-# H200, 7B, 512/128, per-stream closed loops (docs/gpu_notes.md runs 44-45, two machines): holding 8 passes
-# made 4,310 / 4,312 against 3,955 / 4,140 tok/s at 64 concurrent alone and 4,236 / 4,298 against 3,908 /
-# 4,209 through the stack. Run 43's contrary result (no gain, later first tokens) came from the old load
-# generator's burst at the first wave's end
-GPU_PREFILL_WAIT_STEPS = 8
-
-
 class HFEngineOptions(StrictModel):
     model: str = Field(
         EMBEDDED_SMOLLM2,
@@ -55,15 +48,16 @@ class HFEngineOptions(StrictModel):
     max_prefill_tokens: int = Field(
         4096, ge=16, description="Padded prompt tokens one prefill forward pass may take."
     )
-    max_prefill_wait_steps: int | None = Field(
-        None, ge=0, le=1000,
+    max_prefill_wait_steps: int = Field(
+        0, ge=0, le=1000,
         description="Hold waiting prompts for up to this many forward passes while others decode, so more "
         "of them share one prefill pass (each pass stalls every running stream; text-generation-inference's "
         "max_waiting_tokens). A full pass's worth of prompts, or enough to fill every free row, goes at "
         "once; nothing is held while fewer rows decode than prefill_hold_min_running asks. 0: prefill as "
-        "soon as a prompt arrives. Default: 8 on a GPU (measured on two H200s with per-stream arrivals: "
-        "+4 to +9 % tok/s at 64 concurrent alone, +2 to +8 % through the stack; TTFT p50 at 64 moved "
-        "-13 to +30 ms), 0 on the CPU (not measured there; docs/engines.md).",
+        "soon as a prompt arrives (the default). Measured on H200s, 7B: holding 8 gains 4-9 % tok/s at 64 "
+        "concurrent with the engine alone, where prompts arrive in step, but through the Ray Serve stack, "
+        "where they arrive jittered, -1 to +8 % at 3 requests per stream and -1 % at 10, for 48-71 ms "
+        "more TTFT p50 at 10 (docs/gpu_notes.md runs 44-52, docs/engines.md).",
     )
     prefill_hold_min_running: float = Field(
         0.5, ge=0.0, le=1.0,
@@ -111,13 +105,6 @@ class HFEngineOptions(StrictModel):
         "graphs are captured, so the elementwise work between GEMMs runs as fused kernels. Costs minutes "
         "at the first start on a node (Inductor then caches its kernels on disk); all before ready.",
     )
-    decode_compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
-        "default",
-        description="compile_decode: torch.compile mode of the decode step. 'max-autotune-no-cudagraphs' "
-        "has Inductor time Triton GEMM templates against cuBLAS for the step's projections at the largest "
-        "batch (cuBLAS reads the small q/k/v and o weights at 1.3-1.6 TB/s of the H200's 4.2) and keeps "
-        "the faster; it lengthens the first start's compile. Graphs are captured by the engine either way.",
-    )
     compile_prefill: bool = Field(
         True,
         description="CUDA-graph decode: also torch.compile (dynamic shapes) the prefill pass, so its norms, "
@@ -145,12 +132,6 @@ class HFEngineOptions(StrictModel):
                 f"({self.max_kv_tokens}): one full-length sequence could never be scheduled"
             )
         return self
-
-    def prefill_wait_steps(self, device: str) -> int:
-        """What ``max_prefill_wait_steps`` None stands for on ``device`` ('cpu' or 'cuda')."""
-        if self.max_prefill_wait_steps is not None:
-            return self.max_prefill_wait_steps
-        return GPU_PREFILL_WAIT_STEPS if device == "cuda" else 0
 
     def resolved_kv_cache(self, device: str) -> str:
         """The cache 'auto' stands for on ``device`` ('cpu' or 'cuda')."""

@@ -132,7 +132,7 @@ class SlotDecoder:
 
     def __init__(self, model, num_slots: int, max_len: int, dtype, device, use_graphs: bool,
                  batch_sizes: list[int], span_step: int, compile_step: bool = False,
-                 compile_prefill: bool = False, compile_mode: str = "default"):
+                 compile_prefill: bool = False):
         import torch
 
         self.model = model
@@ -154,7 +154,6 @@ class SlotDecoder:
         self.span_ids = torch.arange(buffer_len, device=device)
         self.use_graphs = use_graphs
         self.compile_step = compile_step
-        self.compile_mode = compile_mode
         low = 2 if compile_step else 1
         self.batch_sizes = sorted({min(max(b, low), num_slots) for b in batch_sizes} | {num_slots})
         self.graphs: dict[tuple[int, int], tuple[object, object]] = {}
@@ -277,7 +276,7 @@ class SlotDecoder:
 
         t0 = time.monotonic()
         eager = self._step
-        self._step = torch.compile(eager, dynamic=True, mode=self.compile_mode)
+        self._step = torch.compile(eager, dynamic=True)
         try:
             self._step(max(self.batch_sizes), self.spans[-1])
         except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager step, which is correct
