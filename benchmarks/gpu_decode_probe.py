@@ -51,6 +51,12 @@ def profile_step(fn) -> dict:
             "top": [{"name": k, "n": len(v), "ms": round(sum(v), 3)} for k, v in top]}
 
 
+def step_logits(out):
+    """The logits of a decode step's output, (logits, next tokens, logprobs) since sampling moved into the
+    graph (run 18); a read written for the bare logits lost run 51's first probe after its timings."""
+    return out[0]
+
+
 def decoder_variant(model, compile_mode: str | None) -> dict:
     import torch
 
@@ -82,9 +88,9 @@ def decoder_variant(model, compile_mode: str | None) -> dict:
         dec.tokens.fill_(123)
         g, o = dec.graphs[(1, SPAN)]
         g.replay()
-        o = o[0] if isinstance(o, tuple) else o  # the step returns (logits, next tokens, logprobs)
-        out["logits_b1_sample"] = o[0, :4].float().tolist()
-        out["argmax_b1"] = int(o[0].argmax())
+        logits = step_logits(o)
+        out["logits_b1_sample"] = logits[0, :4].float().tolist()
+        out["argmax_b1"] = int(logits[0].argmax())
     dec = None
     torch.cuda.empty_cache()
     return out
