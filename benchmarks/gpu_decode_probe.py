@@ -96,9 +96,9 @@ def decoder_variant(model, compile_mode: str | None) -> dict:
     return out
 
 
-def gemm_bandwidth() -> list[dict]:
-    """F.linear at M=1 and M=64 over the model's weight shapes; 8 weights in rotation so
-    the 50 MB L2 cache does not serve the small ones."""
+def gemm_bandwidth(ms: tuple[int, ...] = (1, 64)) -> list[dict]:
+    """F.linear at M rows (decode: 1 and 64; a prefill pass: 512 per prompt) over the model's weight
+    shapes; 8 weights in rotation so the 50 MB L2 cache does not serve the small ones."""
     import torch
     import torch.nn.functional as F
 
@@ -116,7 +116,7 @@ def gemm_bandwidth() -> list[dict]:
         for name, (n, k) in shapes.items():
             count = 2 if n * k > 200_000_000 else 8
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
-            for m in (1, 64):
+            for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for w in ws:
                     F.linear(x, w)
@@ -130,7 +130,8 @@ def gemm_bandwidth() -> list[dict]:
                 torch.cuda.synchronize()
                 us = a.elapsed_time(b) / reps * 1000
                 rows.append({"lib": lib, "shape": name, "m": m, "us": round(us, 1),
-                             "tb_s": round(n * k * 2 / (us * 1e-6) / 1e12, 2)})
+                             "tb_s": round(n * k * 2 / (us * 1e-6) / 1e12, 2),
+                             "tflop_s": round(2 * m * n * k / (us * 1e-6) / 1e12)})
             del ws
     torch.backends.cuda.preferred_blas_library("cublas")
     return rows
@@ -162,6 +163,16 @@ def prefill_rate(model) -> list[dict]:
     return rows
 
 
+def print_gemm(rows: list[dict]) -> None:
+    print("\nGEMM (F.linear, bf16):")
+    print(f"{'lib':<9}{'shape':<26}{'M':>5}{'us':>9}{'TB/s':>7}{'TFLOP/s':>9}")
+    for r in rows:
+        if "error" in r:
+            print(r["lib"], r["error"])
+            continue
+        print(f"{r['lib']:<9}{r['shape']:<26}{r['m']:>5}{r['us']:>9.1f}{r['tb_s']:>7.2f}{r['tflop_s']:>9}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
@@ -169,6 +180,8 @@ def main() -> None:
                    help="comma-separated; a compiled variant may name its own torch.compile mode after a "
                         "colon, e.g. fused+compiled:max-autotune-no-cudagraphs")
     p.add_argument("--compile-mode", default="default", help="torch.compile mode of compiled variants that name none")
+    p.add_argument("--gemm-rows", default="1,64", help="comma-separated M of the GEMM table")
+    p.add_argument("--gemm-only", action="store_true", help="the GEMM table alone (no model, prefill or variants)")
     args = p.parse_args()
     import torch
 
@@ -182,13 +195,16 @@ def main() -> None:
     def save():
         (out / "gpu_decode_probe.json").write_text(json.dumps(res, indent=2))
 
+    res["gemm"] = gemm_bandwidth(tuple(int(m) for m in args.gemm_rows.split(",")))
+    save()
+    if args.gemm_only:
+        print_gemm(res["gemm"])
+        return
     t0 = time.monotonic()
     model = random_qwen7b()
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     res["build_s"] = time.monotonic() - t0
-    res["gemm"] = gemm_bandwidth()
-    save()
     res["prefill"] = prefill_rate(model)
     save()
     fused = False
@@ -211,13 +227,7 @@ def main() -> None:
         res["prefill_fused"] = prefill_rate(model)
     save()
 
-    print("\nGEMM (F.linear, bf16):")
-    print(f"{'lib':<9}{'shape':<26}{'M':>4}{'us':>9}{'TB/s':>7}")
-    for r in res["gemm"]:
-        if "error" in r:
-            print(r["lib"], r["error"])
-            continue
-        print(f"{r['lib']:<9}{r['shape']:<26}{r['m']:>4}{r['us']:>9.1f}{r['tb_s']:>7.2f}")
+    print_gemm(res["gemm"])
     print("\nprefill (eager):", res["prefill"], "\nprefill (fused):", res.get("prefill_fused"))
     print(f"\n{'variant':<18}{'b1 ms':>8}{'b8':>8}{'b32':>8}{'b64':>8}{'kernels b1':>12}{'busy b1':>9}{'gemm b1':>9}"
           f"{'setup s':>9}  argmax")
