@@ -197,7 +197,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     serve.shutdown()
     ray.shutdown()
     if args.trace:
-        for key in [k for k in res if k.startswith("concurrency_")]:
+        for key, *_ in loads(args):
             res[key]["first_token_legs"] = first_token_breakdown(trace_file, res[key]["window_ns"])
     return res
 

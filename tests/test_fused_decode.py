@@ -229,3 +229,19 @@ def test_a_failed_prefill_compile_leaves_a_working_eager_pass():
         prompts = [[7, 8, 9], [10, 11]]
         torch.testing.assert_close(compiled.prefill(prompts, [0, 1], 0), eager.prefill(prompts, [0, 1], 0))
     assert compiled.prefill_eager_passes == 0  # eager by choice, not a shape the compile missed
+
+
+def test_the_decode_probe_reads_the_logits_of_a_real_decode_step():
+    # gpu_decode_probe.py runs only on the GPU, where a wrong read costs a device call: run 51's first probe
+    # timed both its variants and then lost them to a read written for the step's older, bare-logits output
+    from benchmarks.gpu_decode_probe import step_logits
+
+    dec = _decoder(_tiny("qwen2"), compile_step=False)
+    with torch.inference_mode():
+        dec.positions.fill_(7)
+        dec.tokens.fill_(123)
+        out = dec._step(2, 32)
+    logits = step_logits(out)
+    assert logits.shape == (2, 500)
+    # the probe's argmax is the step's own greedy pick
+    assert logits.argmax(-1).tolist() == out[1][:2].reshape(-1).tolist()
