@@ -30,7 +30,7 @@ SPAN = 768
 ROWS = (1, 8, 32, 64)
 
 
-def profile_step(fn) -> dict:
+def profile_step(fn, top_n: int = 10) -> dict:
     """Kernels of one eager (not captured) step: count, summed GPU time, the heaviest names."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -44,11 +44,24 @@ def profile_step(fn) -> dict:
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name[:90], []).append(e.device_time / 1000.0)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
-    gemm_ms = sum(sum(v) for k, v in by_name.items() if any(s in k.lower() for s in ("gemm", "gemv", "cutlass",
-                                                                                         "sm90", "nvjet")))
-    return {"kernels": len(kernels), "busy_ms": sum(e.device_time for e in kernels) / 1000.0, "gemm_ms": gemm_ms,
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top_n]
+    by_kind: dict[str, float] = {}
+    for k, v in by_name.items():
+        by_kind[kernel_kind(k)] = by_kind.get(kernel_kind(k), 0.0) + sum(v)
+    return {"kernels": len(kernels), "busy_ms": sum(e.device_time for e in kernels) / 1000.0,
+            "gemm_ms": by_kind.get("gemm", 0.0), "by_kind_ms": {k: round(v, 3) for k, v in by_kind.items()},
             "top": [{"name": k, "n": len(v), "ms": round(sum(v), 3)} for k, v in top]}
+
+
+def kernel_kind(name: str) -> str:
+    """gemm (cuBLAS / CUTLASS / nvjet), attention (flash / fused attention), triton (Inductor's fused
+    elementwise and reductions) or other (aten's own kernels, copies)."""
+    low = name.lower()
+    if any(s in low for s in ("gemm", "gemv", "cutlass", "sm90", "nvjet")):
+        return "gemm"
+    if any(s in low for s in ("flash", "fmha", "attention", "cudnn")):
+        return "attention"
+    return "triton" if "triton" in low else "other"
 
 
 def step_logits(out):
@@ -163,6 +176,64 @@ def prefill_rate(model) -> list[dict]:
     return rows
 
 
+def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int = 512,
+                    device: str = "cuda", compile_prefill: bool = True) -> list[dict]:
+    """The engine's prefill pass (compiled as the engine's warm-up compiles it) for 1, 2, 4, 8 prompts
+    of 512 tokens: time, TFLOP/s of the parameters' work, and where the GPU time goes by kernel kind,
+    with the heaviest kernels by name (cuBLAS's names carry their tile shapes)."""
+    import torch
+
+    from serve_app.engines.slot_kv import SlotDecoder
+
+    # room for the warm-up's own shapes (two prompts of 37 tokens) whatever the profiled ones
+    slots, max_len = max(*prompts, 2), max(length, 64) + 8
+    dec = SlotDecoder(model, num_slots=slots, max_len=max_len, dtype=model.dtype, device=torch.device(device),
+                      use_graphs=False, batch_sizes=[1], span_step=max_len, compile_prefill=compile_prefill)
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    rows = []
+    with torch.inference_mode():
+        if compile_prefill:
+            dec.compile_prefill_pass()
+        for n in prompts:
+            batch = [[(1000 + i) % model.config.vocab_size] * length for i in range(n)]
+            run = lambda: dec.prefill(batch, list(range(n)), 0)  # noqa: E731
+            run()
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                run()
+            sync()
+            ms = (time.perf_counter() - t0) / 5 * 1000
+            row = {"prompts": n, "tokens": length * n, "ms": round(ms, 2),
+                   "tflop_s": round(2 * params * length * n / 1e12 / (ms / 1000)),
+                   "eager_passes": dec.prefill_eager_passes}
+            if device == "cuda":
+                row["profile"] = profile_step(run, top_n=14)
+            rows.append(row)
+    row_compile = {"compile_s": round(dec.prefill_compile_s, 1), "compile_error": dec.prefill_compile_error}
+    dec = None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return [row_compile] + rows
+
+
+def print_prefill_profile(rows: list[dict]) -> None:
+    print("\nprefill pass (compiled):", rows[0])
+    print(f"{'prompts':>8}{'ms':>8}{'TFLOP/s':>9}{'busy':>8}{'gemm':>8}{'attn':>8}{'triton':>8}{'other':>8}"
+          f"{'kernels':>9}")
+    for r in rows[1:]:
+        pr = r.get("profile", {})
+        k = pr.get("by_kind_ms", {})
+        print(f"{r['prompts']:>8}{r['ms']:>8.2f}{r['tflop_s']:>9}{pr.get('busy_ms', 0):>8.2f}"
+              f"{k.get('gemm', 0):>8.2f}{k.get('attention', 0):>8.2f}{k.get('triton', 0):>8.2f}"
+              f"{k.get('other', 0):>8.2f}{pr.get('kernels', 0):>9}")
+    for r in rows[1:]:
+        print(f"\n{r['prompts']} prompt(s), heaviest kernels:")
+        for t in r.get("profile", {}).get("top", []):
+            print(f"  {t['ms']:>8.3f} ms {t['n']:>4} x  {t['name']}")
+
+
 def print_gemm(rows: list[dict]) -> None:
     print("\nGEMM (F.linear, bf16):")
     print(f"{'lib':<9}{'shape':<26}{'M':>5}{'us':>9}{'TB/s':>7}{'TFLOP/s':>9}")
@@ -182,6 +253,8 @@ def main() -> None:
     p.add_argument("--compile-mode", default="default", help="torch.compile mode of compiled variants that name none")
     p.add_argument("--gemm-rows", default="1,64", help="comma-separated M of the GEMM table")
     p.add_argument("--gemm-only", action="store_true", help="the GEMM table alone (no model, prefill or variants)")
+    p.add_argument("--prefill-profile", action="store_true",
+                   help="after the GEMM table, the compiled prefill pass at 1/2/4/8 prompts profiled; no variants")
     args = p.parse_args()
     import torch
 
@@ -205,6 +278,13 @@ def main() -> None:
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     res["build_s"] = time.monotonic() - t0
+    if args.prefill_profile:
+        res["fused_modules"] = fuse_projections(model)
+        res["prefill_profile"] = prefill_profile(model)
+        save()
+        print_gemm(res["gemm"])
+        print_prefill_profile(res["prefill_profile"])
+        return
     res["prefill"] = prefill_rate(model)
     save()
     fused = False

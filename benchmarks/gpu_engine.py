@@ -139,7 +139,8 @@ async def run(args) -> dict:
     if slots is not None:
         results.update(graphs=len(slots.graphs), graph_capture_s=slots.capture_s, compile_s=slots.compile_s,
                        prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
-                       kv_cache_gb=slots.cache.bytes / 1e9)
+                       prefill_graphs=len(slots.prefill_graph_lengths), prefill_graph_capture_s=slots.prefill_graph_capture_s,
+                       prefill_graph_error=slots.prefill_graph_error, kv_cache_gb=slots.cache.bytes / 1e9)
     save()
 
     # single stream: decode step = (e2e - ttft) / (tokens - 1)
@@ -158,12 +159,14 @@ async def run(args) -> dict:
     async def load(key, conc, rid, rounds=3):
         passes, prefills = engine.stats().forward_passes, engine.stats().prefill_passes
         eager = slots.prefill_eager_passes if slots is not None else 0
+        replayed = engine.stats().prefill_graph_passes
         results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, prompt, rng,
                                              rounds)
         results[key]["forward_passes"] = engine.stats().forward_passes - passes
         results[key]["prefill_passes"] = engine.stats().prefill_passes - prefills
         if slots is not None:
             results[key]["prefill_eager_passes"] = slots.prefill_eager_passes - eager
+        results[key]["prefill_graph_passes"] = engine.stats().prefill_graph_passes - replayed  # one-prompt passes
         results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
         save()
 
@@ -201,18 +204,21 @@ async def run(args) -> dict:
 
 def prefill_pass_ms(slots, prompt_len: int, reps: int = 5) -> dict:
     """Wall time of one prefill pass of 1, 4 and 16 prompts (the engine idle), compiled and eager, with
-    the TFLOP/s of its GEMM work (lm_head for the last positions only)."""
+    the TFLOP/s of its GEMM work (lm_head for the last positions only); one prompt also as the captured
+    graph the engine replays for it."""
     import torch
 
     model = slots.model
     params = (sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
               - slots.lm_head.weight.numel())
-    was = slots.prefill_compiled
+    was = slots.prefill_compiled, slots.prefill_graphs
     rows = {}
     with torch.inference_mode():
-        for mode in (["compiled"] if slots.has_compiled_prefill else []) + ["eager"]:
+        for mode in ((["graph"] if slots.prefill_graph_lengths else []) + (["compiled"] if slots.has_compiled_prefill
+                                                                           else []) + ["eager"]):
+            slots.prefill_graphs = mode == "graph"
             slots.prefill_compiled = mode == "compiled"
-            for n in (1, 4, 16):
+            for n in (1,) if mode == "graph" else (1, 4, 16):
                 prompts = [[1000 + i] * prompt_len for i in range(n)]
                 slots.prefill(prompts, list(range(n)), 0)
                 torch.cuda.synchronize()
@@ -222,7 +228,7 @@ def prefill_pass_ms(slots, prompt_len: int, reps: int = 5) -> dict:
                 torch.cuda.synchronize()
                 ms = (time.perf_counter() - t0) / reps * 1000
                 rows[f"{mode}_{n}"] = {"ms": round(ms, 2), "gemm_tflop_s": round(2 * params * prompt_len * n / ms / 1e9)}
-    slots.prefill_compiled = was
+    slots.prefill_compiled, slots.prefill_graphs = was
     return rows
 
 
@@ -420,7 +426,8 @@ def main() -> None:
           f"model build {res['build_model_s']:.0f} s; "
           f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {res.get('graphs', 0)} in "
           f"{res.get('graph_capture_s', 0):.1f} s, of which compile {res.get('compile_s', 0):.1f} s "
-          f"+ prefill {res.get('prefill_compile_s', 0):.1f} s; "
+          f"+ prefill {res.get('prefill_compile_s', 0):.1f} s; {res.get('prefill_graphs', 0)} one-prompt prefill "
+          f"graphs in {res.get('prefill_graph_capture_s', 0):.1f} s; "
           f"KV {res.get('kv_cache_gb', 0):.1f} GB)")
     print(f"{'measure':<34}{'value':>12}  target")
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>12.2f}  <= {1.3 * floor_ms:.2f} (1.3 x 3.6 ms floor)")
@@ -430,7 +437,8 @@ def main() -> None:
     print(f"{'output tok/s at 64 concurrent':<34}{c64['output_tok_s']:>12.0f}  >= 6000")
 
     def print_steady(label: str, r: dict) -> None:
-        print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill)")
+        print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill, "
+              f"{r.get('prefill_graph_passes', 0)} of them replayed)")
         if r.get("full_window"):
             w = r["full_window"]
             print(f"{'    while all 64 were in flight':<34}{w['output_tok_s']:>12.0f}  ({w['start_s']:.1f}-{w['end_s']:.1f} s)")
@@ -439,6 +447,8 @@ def main() -> None:
         print_steady(f"  {args.steady_rounds} requests per stream", res["concurrency_64_steady"])
     print(f"{'  forward passes at 64 / 32':<34}{c64['forward_passes']:>12d}{c32['forward_passes']:>8d}")
     print(f"{'    of which prefill':<34}{c64['prefill_passes']:>12d}{c32['prefill_passes']:>8d}")
+    print(f"{'      one prompt, replayed':<34}{c64.get('prefill_graph_passes', 0):>12d}"
+          f"{c32.get('prefill_graph_passes', 0):>8d}")
     print(f"{'TTFT p95 at 32 concurrent (ms)':<34}{c32['ttft_p95_ms']:>12.0f}  <= 200")
     print(f"{'TTFT p50 at 32 concurrent (ms)':<34}{c32['ttft_p50_ms']:>12.0f}")
     print(f"{'  to the first text, p95 / p50':<34}{c32['ttft_text_p95_ms']:>12.0f}{c32['ttft_text_p50_ms']:>8.0f}")
@@ -453,11 +463,14 @@ def main() -> None:
             r = res[f"concurrency_{conc}_{compare_tag(change)}"]
             print(f"{f'  {conc} concurrent: tok/s':<34}{r['output_tok_s']:>12.0f}")
             print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
-            print(f"{f'  forward / prefill passes':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}")
+            print(f"{f'  forward / prefill / replayed':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}"
+                  f"{r.get('prefill_graph_passes', 0):>8d}")
         if f"concurrency_64_steady_{compare_tag(change)}" in res:
             print_steady(f"  64, {args.steady_rounds} per stream: tok/s", res[f"concurrency_64_steady_{compare_tag(change)}"])
     for key, r in res.get("prefill_pass_ms", {}).items():
         print(f"{f'prefill pass {key} x {args.prompt} (ms)':<34}{r['ms']:>12.2f}{r['gemm_tflop_s']:>8d} TFLOP/s")
+    if res.get("prefill_graph_error"):
+        print(f"one-prompt prefill graphs failed to capture: {res['prefill_graph_error']}")
     for key in [k for k in res if k.startswith("concurrency_")]:
         if res[key].get("prefill_eager_passes"):
             print(f"{key}: {res[key]['prefill_eager_passes']} prefill passes ran eagerly (shape not compiled)")

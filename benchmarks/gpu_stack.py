@@ -187,6 +187,8 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     stats = httpx.get(f"{base}/admin/engine-stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
                       timeout=60).json()["bench/stable"]
     res["engine_forward_passes"] = stats.get("forward_passes")
+    res["engine_prefill_passes"] = stats.get("prefill_passes")
+    res["engine_prefill_graph_passes"] = stats.get("prefill_graph_passes")  # one-prompt passes replayed
     res["replica_gc"] = stats.get("gc")  # the LLM server process's collections since its constructor
     res["engine_process_gc"] = stats.get("engine_process_gc")  # with --engine-process separate
     res["warm_up"] = stats.get("warm_up")
@@ -237,6 +239,11 @@ def print_report(res: dict, alone: dict | None, args) -> None:
             print(f"  first token's legs, p50 / p95 ms ({legs['requests']} traced requests):")
             for leg in ("to_replica", "engine_queue", "engine_prefill", "back_to_ingress", "at_ingress"):
                 print(f"    {leg:<30}{legs[f'{leg}_p50_ms']:>10.1f}{legs[f'{leg}_p95_ms']:>10.1f}")
+    if res.get("engine_prefill_passes") is not None:
+        w = res.get("warm_up") or {}
+        print(f"{'prefill passes / one-prompt replayed':<34}{res['engine_prefill_passes']:>10d}"
+              f"{res.get('engine_prefill_graph_passes') or 0:>10d}  (whole run; {w.get('prefill_graphs', 0)} graphs "
+              f"captured in {w.get('prefill_graph_capture_s') or 0:.1f} s{'; ' + w['prefill_graph_error'] if w.get('prefill_graph_error') else ''})")
     s = res["single"]
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>10.2f}"
           f"{(alone or {}).get('single', {}).get('decode_step_ms', float('nan')):>10.2f}")

@@ -166,6 +166,45 @@ def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results()
 
 
 @needs_cxx
+def test_one_prompt_passes_padded_to_the_captured_lengths_leave_what_the_exact_pass_leaves():
+    # on a GPU these lengths are CUDA graphs; here the same compiled pass runs on the same padded
+    # buffers, which is what a replay computes: the padding must change no logit, key, value or next step
+    from torch._dynamo.utils import counters
+
+    eager, compiled = _eager_and_compiled(compile_step=True)  # as in the engine: one spare position
+    compiled.prefill_graph_tokens = 128
+    with torch.inference_mode():
+        compiled.compile_prefill_pass()
+        compiled.capture_prefill_graphs()
+        assert compiled.prefill_graph_lengths == [64, 128] and compiled.prefill_graphs
+        graphs = counters["stats"]["unique_graphs"]
+        for slot, n in enumerate([1, 5, 63, 64, 65, 128]):
+            prompt = [(11 * slot + j) % 450 + 20 for j in range(n)]
+            torch.testing.assert_close(compiled.prefill([prompt], [slot], 3), eager.prefill([prompt], [slot], 0),
+                                       rtol=1e-4, atol=1e-4)
+            for layer in range(len(eager.cache.keys)):
+                torch.testing.assert_close(compiled.cache.keys[layer][slot, :, :n],
+                                           eager.cache.keys[layer][slot, :, :n], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(compiled.cache.values[layer][slot, :, :n],
+                                           eager.cache.values[layer][slot, :, :n], rtol=1e-4, atol=1e-4)
+        assert compiled.prefill_graph_passes == 6
+        # the next decode step attends over the prompts only: the padding behind them is masked, then overwritten
+        lengths = torch.tensor([1, 5, 63, 64, 65, 127])  # the 128-token prompt's slot decodes its last position
+        for dec in (eager, compiled):
+            dec.positions[:6], dec.active[:6], dec.tokens[:6] = lengths, 1, 42
+        torch.testing.assert_close(compiled._step(6, 128)[0], eager._step(6, 128)[0], rtol=1e-4, atol=1e-4)
+        # past the longest captured length, or several prompts: the uncaptured pass
+        compiled.prefill_graph_tokens = 64
+        compiled.capture_prefill_graphs()
+        assert compiled.prefill_graph_lengths == [64]
+        compiled.prefill([[7] * 100], [6], 0)
+        compiled.prefill([[7] * 10, [8] * 12], [6, 7], 0)
+        assert compiled.prefill_graph_passes == 6
+    assert counters["stats"]["unique_graphs"] == graphs  # no length compiled anew
+    assert compiled.prefill_eager_passes == 0
+
+
+@needs_cxx
 def test_a_prefill_shape_the_warm_up_missed_runs_eagerly_without_compiling():
     from torch._dynamo.utils import counters
 
@@ -245,3 +284,16 @@ def test_the_decode_probe_reads_the_logits_of_a_real_decode_step():
     assert logits.shape == (2, 500)
     # the probe's argmax is the step's own greedy pick
     assert logits.argmax(-1).tolist() == out[1][:2].reshape(-1).tolist()
+
+
+def test_the_decode_probe_profiles_the_compiled_prefill_pass_without_an_eager_miss():
+    # --prefill-profile also runs only on the GPU: the same pass, compiled as the engine's warm-up compiles
+    # it, here on the CPU (no CUDA kernels to profile), so a stale call in it cannot cost a device call
+    from benchmarks.gpu_decode_probe import prefill_profile
+
+    rows = prefill_profile(_tiny("qwen2"), prompts=(1, 2, 3), length=24, device="cpu")
+    assert rows[0]["compile_error"] is None and rows[0]["compile_s"] > 0
+    assert [r["prompts"] for r in rows[1:]] == [1, 2, 3]
+    assert [r["tokens"] for r in rows[1:]] == [24, 48, 72]
+    # every shape hit one of the warm-up's two compiles
+    assert all(r["eager_passes"] == 0 and r["ms"] > 0 for r in rows[1:])

@@ -102,6 +102,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     forward_passes: int = 0
     prefill_passes: int = 0  # of forward_passes, those that prefilled prompts
+    prefill_graph_passes: int = 0  # of prefill_passes, one-prompt passes replayed from a captured CUDA graph
     prompt_tokens: int = 0
     generated_tokens: int = 0
     aborted_requests: int = 0

@@ -244,6 +244,7 @@ class HFEngine(HFTokenization, Engine):
             self.model, opts.max_num_seqs, self._max_model_len, self.dtype, self.device,
             use_graphs=use_graphs, compile_step=use_graphs and opts.compile_decode,
             compile_prefill=use_graphs and opts.compile_prefill,
+            prefill_graph_tokens=opts.prefill_graph_tokens if use_graphs else 0,
             batch_sizes=[b for b in sizes if b <= opts.max_num_seqs], span_step=opts.cuda_graph_span_step)
         self._free = list(range(opts.max_num_seqs))
         heapq.heapify(self._free)
@@ -372,7 +373,9 @@ class HFEngine(HFTokenization, Engine):
                        decode_compile_s=slots.compile_s, decode_compile_error=slots.compile_error,
                        prefill_compiled=slots.has_compiled_prefill,
                        prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
-                       prefill_eager_passes=slots.prefill_eager_passes)
+                       prefill_eager_passes=slots.prefill_eager_passes,
+                       prefill_graphs=len(slots.prefill_graph_lengths), prefill_graph_capture_s=slots.prefill_graph_capture_s,
+                       prefill_graph_error=slots.prefill_graph_error)
         return out
 
     def stats(self) -> EngineStats:
@@ -388,6 +391,7 @@ class HFEngine(HFTokenization, Engine):
             kv_cache_usage=min(1.0, used / self.options.max_kv_tokens),
             forward_passes=s.forward_passes,
             prefill_passes=s.prefill_passes,
+            prefill_graph_passes=self._slots.prefill_graph_passes if self._slots is not None else 0,
             prompt_tokens=s.prompt_tokens,
             generated_tokens=s.generated_tokens,
             aborted_requests=s.aborted_requests,

@@ -110,6 +110,11 @@ class SlotKVCache:
         return False
 
 
+# one-prompt prefill graphs are captured every this many tokens: a prompt pads to the next multiple, so
+# at most 63 tokens of wasted compute (~1 ms on the 7B) against the ~4 ms of host launches a replay saves
+PREFILL_GRAPH_STEP = 64
+
+
 def bucket(n: int, sizes: list[int]) -> int:
     for s in sizes:
         if s >= n:
@@ -132,7 +137,7 @@ class SlotDecoder:
 
     def __init__(self, model, num_slots: int, max_len: int, dtype, device, use_graphs: bool,
                  batch_sizes: list[int], span_step: int, compile_step: bool = False,
-                 compile_prefill: bool = False):
+                 compile_prefill: bool = False, prefill_graph_tokens: int = 0):
         import torch
 
         self.model = model
@@ -169,6 +174,15 @@ class SlotDecoder:
         self.prefill_eager_passes = 0  # passes of a shape the compiled prefill does not cover
         # the compiled prefill is used while this is on (a benchmark turns it off on a live engine to compare)
         self.prefill_compiled = False
+        # one-prompt passes up to this many tokens replay a captured graph (capture_prefill_graphs)
+        self.prefill_graph_tokens = prefill_graph_tokens
+        self._prefill_runs: dict[int, tuple[object, object]] = {}  # padded length -> (graph or None, logits)
+        self._prefill_in: tuple | None = None  # (ids, slot, last) on the device, and their host staging
+        self.prefill_graph_capture_s = 0.0
+        self.prefill_graph_error: str | None = None
+        self.prefill_graph_passes = 0
+        # the captured passes are used while this is on (as prefill_compiled, for a live compare)
+        self.prefill_graphs = False
 
     @property
     def span_step(self) -> int:
@@ -196,9 +210,14 @@ class SlotDecoder:
 
     # ---- steps -------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], slots: list[int], pad_id: int):
-        """Writes the prompts' KV into their slots; returns last-position logits [n, V]."""
+        """Writes the prompts' KV into their slots; returns last-position logits [n, V]. A captured
+        pass's logits are the graph's own output: read them before the next prefill."""
         import torch
 
+        if len(prompts) == 1 and self.prefill_graphs:
+            padded = self.prefill_graph_length(len(prompts[0]))
+            if padded is not None:
+                return self._replay_prefill(prompts[0], slots[0], pad_id, padded)
         # compiled: at least 2 positions, as Inductor would compile a prompt of 1 token apart (right
         # padding is never attended to by the real tokens and is overwritten by the first decode writes)
         n, longest = len(prompts), max(len(p) for p in prompts)
@@ -224,6 +243,102 @@ class SlotDecoder:
                     log.warning("a prefill of shape %s is not covered by the compiled pass; running it (and any "
                                 "such) eagerly: %s", tuple(ids.shape), str(e)[:300])
         return self._prefill_pass(ids, slot_ids, last)
+
+    @property
+    def prefill_graph_lengths(self) -> list[int]:
+        """The one-prompt lengths captured (capture_prefill_graphs), shortest first."""
+        return sorted(self._prefill_runs)
+
+    def prefill_graph_length(self, n: int) -> int | None:
+        """The captured length a one-prompt pass of ``n`` tokens pads to; None past the longest."""
+        for length in self.prefill_graph_lengths:
+            if length >= max(n, 2):
+                return length
+        return None
+
+    def _replay_prefill(self, prompt: list[int], slot: int, pad_id: int, padded: int):
+        import torch
+
+        ids, slot_ids, last, host_ids, host_slot, host_last, copied = self._prefill_in
+        if copied is not None:
+            copied.synchronize()  # the staging buffers are pinned: the last pass's copies must have left them
+        n = len(prompt)
+        host_ids[:n] = torch.tensor(prompt, dtype=torch.long)
+        host_ids[n:padded] = pad_id
+        host_slot[0], host_last[0] = slot, n - 1
+        # from pinned memory and non-blocking: a pageable copy would wait for the decode step in flight
+        ids[:padded].copy_(host_ids[:padded], non_blocking=True)
+        slot_ids.copy_(host_slot, non_blocking=True)
+        last.copy_(host_last, non_blocking=True)
+        if copied is not None:
+            copied.record()
+        graph, out = self._prefill_runs[padded]
+        self.prefill_graph_passes += 1
+        if graph is None:  # no CUDA (tests): the same pass on the same padded buffers, run directly
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._prefill_graph_fn()(ids[:padded].view(1, padded), slot_ids, last)
+        graph.replay()
+        return out
+
+    def _prefill_graph_fn(self):
+        return self._prefill_compiled if self.has_compiled_prefill else self._prefill_pass
+
+    def capture_prefill_graphs(self) -> None:
+        """Captures the one-prompt prefill pass (compiled if it was) at every multiple of
+        PREFILL_GRAPH_STEP up to ``prefill_graph_tokens``, padded on the right as multi-prompt passes are.
+
+        Why: launched from Python, a one-prompt pass of the compiled 7B is host-bound: 486 kernels took
+        14.65 ms to launch where the GPU was busy for 10.50 (H200, 512 tokens; from two prompts on the
+        GPU is the bound). Without the hold (max_prefill_wait_steps 0) many passes carry one prompt.
+        Without CUDA the buckets run the pass directly on the same padded buffers, so CPU tests check
+        the padding. A failed capture leaves the uncaptured pass, which is correct.
+        """
+        import torch
+
+        # shorter than the buffers: a pass of their full length is a shape of its own to Inductor
+        top = min(self.prefill_graph_tokens, self.cache.max_len - 1)
+        lengths = list(range(PREFILL_GRAPH_STEP, top + 1, PREFILL_GRAPH_STEP))
+        if not lengths:
+            return
+        t0 = time.monotonic()
+        cuda = self.device.type == "cuda"
+        dev = dict(dtype=torch.long, device=self.device)
+        host = dict(dtype=torch.long, pin_memory=cuda)
+        self._prefill_in = (torch.zeros(top, **dev), torch.zeros(1, **dev), torch.zeros(1, **dev),
+                            torch.zeros(top, **host), torch.zeros(1, **host), torch.zeros(1, **host),
+                            torch.cuda.Event() if cuda else None)
+        ids, slot_ids, last = self._prefill_in[:3]
+        fn = self._prefill_graph_fn()
+        runs: dict[int, tuple[object, object]] = {}
+        try:
+            if not cuda:
+                runs = {length: (None, None) for length in lengths}
+            else:
+                pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                # longest first, so the shorter graphs reuse the pool's blocks; the warm-up passes write
+                # slot 0's first positions, which no sequence owns yet
+                for length in reversed(lengths):
+                    args = (ids[:length].view(1, length), slot_ids, last)
+                    last.fill_(length - 1)
+                    with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.stream(stream):
+                        for _ in range(2):  # lazy inits and cuBLAS workspaces happen outside the capture
+                            fn(*args)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, stream=stream):
+                            out = fn(*args)
+                    runs[length] = (graph, out)
+                torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a failed capture leaves the uncaptured pass, which is correct
+            self.prefill_graph_error = f"{type(e).__name__}: {str(e)[:300]}"
+            log.warning("capturing the one-prompt prefill pass failed, prefilling uncaptured (set "
+                        "prefill_graph_tokens: 0 to skip the attempt): %s", self.prefill_graph_error)
+            runs = {}
+        self._prefill_runs, self.prefill_graphs = runs, bool(runs)
+        self.prefill_graph_capture_s = time.monotonic() - t0
+        log.info("captured %d one-prompt prefill graphs (up to %d tokens) in %.1fs", len(runs), top,
+                 self.prefill_graph_capture_s)
 
     def _prefill_pass(self, ids, slot_ids, last):
         import torch
@@ -337,6 +452,7 @@ class SlotDecoder:
                 self.compile()
             torch.cuda.current_stream().wait_stream(stream)
         self._capture_missing()
+        self.capture_prefill_graphs()
         self.capture_s = time.monotonic() - t0
         log.info("captured %d decode graphs (batch %s x span %s) in %.1fs (compile %.1fs)", len(self.graphs),
                  self.batch_sizes, self.spans, self.capture_s, self.compile_s)
