@@ -286,7 +286,25 @@ def main() -> None:
                    help="requests per stream of a longer 64-concurrent load after the others (0: none), "
                         "against gpu_engine.py's of the same name")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
+    p.add_argument("--report", nargs="+", metavar="STACK_JSON",
+                   help="run nothing: print the table of these raw stack files against --engine-json (the "
+                        "load flags must be the run's, e.g. --steady-rounds 10)")
+    p.add_argument("--engine-json", help="with --report: gpu_engine.py's raw file of the same machine")
+    p.add_argument("--engine-compare", metavar="TAG",
+                   help="with --report: the engine's loads under one of its --compare changes, e.g. "
+                        "slots.prefill_graphs=false, instead of its defaults")
     args = p.parse_args()
+    if args.report:
+        alone = json.loads(Path(args.engine_json).read_text()) if args.engine_json else None
+        if alone and args.engine_compare:
+            suffix = f"_{args.engine_compare}"
+            alone = {**alone, **{k[: -len(suffix)]: v for k, v in alone.items() if k.endswith(suffix)}}
+        for f in args.report:
+            res = json.loads(Path(f).read_text())
+            # the header's settings are the run's own
+            args.ingress_replicas, args.stream_interval_ms = res["ingress_replicas"], res["stream_interval_ms"]
+            print_report(res, alone, args)
+        return
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment
     # one Inductor cache for every Ray this run starts, so a second deployment's compile hits it
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.work) / "inductor"))

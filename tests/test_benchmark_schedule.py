@@ -1,4 +1,5 @@
-"""The benchmarks' arrival schedule: the engine-alone and full-stack runs must meet the same one."""
+"""The benchmarks' arrival schedule: the engine-alone and full-stack runs must meet the same one. And the
+stack's report of raw files, which docs/benchmarks.md's tables come from."""
 
 import random
 
@@ -48,3 +49,26 @@ def test_each_stream_sends_its_next_request_as_soon_as_its_last_one_ends():
     # no more than one request per stream at once: each start is some stream's arrival or another's end
     assert sum(1 for s in starts if s < arrivals[-1] - 0.2) >= rounds + 1
     assert res["full_window"] is None or res["full_window"]["output_tok_s"] > 0
+
+
+def test_the_stack_report_reads_raw_files_against_the_engine_and_its_compare(monkeypatch, capsys):
+    # docs/benchmarks.md's stack tables come from this report of committed raw files (no GPU, no Ray)
+    import sys
+
+    from benchmarks import gpu_stack
+
+    from pathlib import Path
+
+    r = f"{Path(__file__).resolve().parent.parent / 'docs' / 'results'}/"
+    base = ["gpu_stack.py", "--concurrency", "32", "64", "--steady-rounds", "10",
+            "--engine-json", r + "gpu_engine-h200-2026-12-03-495d1e9-I.json"]
+    monkeypatch.setattr(sys, "argv", base + ["--report", r + "gpu_stack-h200-2026-12-03-495d1e9-I-python.json"])
+    gpu_stack.main()
+    out = capsys.readouterr().out
+    assert "4686      4759  98 % of engine" in out and "+64.4 ms" in out
+    monkeypatch.setattr(sys, "argv", base + ["--engine-compare", "slots.prefill_graphs=false", "--report",
+                                             r + "gpu_stack-h200-2026-12-03-495d1e9-I-python-no-prefill-graphs.json"])
+    gpu_stack.main()
+    out = capsys.readouterr().out
+    # the engine column is the engine's loads without the graphs, not its defaults
+    assert "4269      4506  95 % of engine" in out and "+116.9 ms" in out
