@@ -179,14 +179,17 @@ def prefill_rate(model) -> list[dict]:
 def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int = 512,
                     device: str = "cuda", compile_prefill: bool = True) -> list[dict]:
     """The engine's prefill pass (compiled as the engine's warm-up compiles it) for 1, 2, 4, 8 prompts
-    of 512 tokens: time, TFLOP/s of the parameters' work, and where the GPU time goes by kernel kind,
-    with the heaviest kernels by name (cuBLAS's names carry their tile shapes)."""
+    of 512 tokens, then one prompt replayed from the engine's captured graph: time, TFLOP/s of the
+    parameters' work, and where the GPU time goes by kernel kind, with the heaviest kernels by name
+    (cuBLAS's names carry their tile shapes)."""
     import torch
 
-    from serve_app.engines.slot_kv import SlotDecoder
+    from serve_app.engines.slot_kv import PREFILL_GRAPH_STEP, SlotDecoder
 
-    # room for the warm-up's own shapes (two prompts of 37 tokens) whatever the profiled ones
-    slots, max_len = max(*prompts, 2), max(length, 64) + 8
+    # the captured length a prompt of `length` pads to; room for it, and for the warm-up's own shapes (two
+    # prompts of 37 tokens) whatever the profiled ones
+    padded = -(-length // PREFILL_GRAPH_STEP) * PREFILL_GRAPH_STEP
+    slots, max_len = max(*prompts, 2), padded + 8
     dec = SlotDecoder(model, num_slots=slots, max_len=max_len, dtype=model.dtype, device=torch.device(device),
                       use_graphs=False, batch_sizes=[1], span_step=max_len, compile_prefill=compile_prefill)
     params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
@@ -194,7 +197,10 @@ def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int 
     with torch.inference_mode():
         if compile_prefill:
             dec.compile_prefill_pass()
-        for n in prompts:
+        for n, graph in [(n, False) for n in prompts] + [(1, True)]:
+            if graph:  # as the engine's warm-up captures them (SlotDecoder.capture_prefill_graphs)
+                dec.prefill_graph_tokens = padded
+                dec.capture_prefill_graphs()
             batch = [[(1000 + i) % model.config.vocab_size] * length for i in range(n)]
             run = lambda: dec.prefill(batch, list(range(n)), 0)  # noqa: E731
             run()
@@ -205,13 +211,14 @@ def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int 
                 run()
             sync()
             ms = (time.perf_counter() - t0) / 5 * 1000
-            row = {"prompts": n, "tokens": length * n, "ms": round(ms, 2),
+            row = {"prompts": n, "graph": graph, "tokens": length * n, "ms": round(ms, 2),
                    "tflop_s": round(2 * params * length * n / 1e12 / (ms / 1000)),
-                   "eager_passes": dec.prefill_eager_passes}
+                   "eager_passes": dec.prefill_eager_passes, "graph_passes": dec.prefill_graph_passes}
             if device == "cuda":
                 row["profile"] = profile_step(run, top_n=14)
             rows.append(row)
-    row_compile = {"compile_s": round(dec.prefill_compile_s, 1), "compile_error": dec.prefill_compile_error}
+    row_compile = {"compile_s": round(dec.prefill_compile_s, 1), "compile_error": dec.prefill_compile_error,
+                   "graphs": len(dec.prefill_graph_lengths), "graph_error": dec.prefill_graph_error}
     dec = None
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -225,11 +232,11 @@ def print_prefill_profile(rows: list[dict]) -> None:
     for r in rows[1:]:
         pr = r.get("profile", {})
         k = pr.get("by_kind_ms", {})
-        print(f"{r['prompts']:>8}{r['ms']:>8.2f}{r['tflop_s']:>9}{pr.get('busy_ms', 0):>8.2f}"
+        print(f"{str(r['prompts']) + (' graph' if r.get('graph') else ''):>8}{r['ms']:>8.2f}{r['tflop_s']:>9}{pr.get('busy_ms', 0):>8.2f}"
               f"{k.get('gemm', 0):>8.2f}{k.get('attention', 0):>8.2f}{k.get('triton', 0):>8.2f}"
               f"{k.get('other', 0):>8.2f}{pr.get('kernels', 0):>9}")
     for r in rows[1:]:
-        print(f"\n{r['prompts']} prompt(s), heaviest kernels:")
+        print(f"\n{r['prompts']} prompt(s){', replayed graph' if r.get('graph') else ''}, heaviest kernels:")
         for t in r.get("profile", {}).get("top", []):
             print(f"  {t['ms']:>8.3f} ms {t['n']:>4} x  {t['name']}")
 

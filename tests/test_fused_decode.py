@@ -293,7 +293,9 @@ def test_the_decode_probe_profiles_the_compiled_prefill_pass_without_an_eager_mi
 
     rows = prefill_profile(_tiny("qwen2"), prompts=(1, 2, 3), length=24, device="cpu")
     assert rows[0]["compile_error"] is None and rows[0]["compile_s"] > 0
-    assert [r["prompts"] for r in rows[1:]] == [1, 2, 3]
-    assert [r["tokens"] for r in rows[1:]] == [24, 48, 72]
-    # every shape hit one of the warm-up's two compiles
+    assert [(r["prompts"], r["graph"]) for r in rows[1:]] == [(1, False), (2, False), (3, False), (1, True)]
+    assert [r["tokens"] for r in rows[1:]] == [24, 48, 72, 24]
+    # every shape hit one of the warm-up's two compiles, and the last row ran the captured lengths' path
     assert all(r["eager_passes"] == 0 and r["ms"] > 0 for r in rows[1:])
+    assert rows[0]["graphs"] == 1 and rows[0]["graph_error"] is None  # 24 tokens: the 64-token length only
+    assert rows[-1]["graph_passes"] > 0 and rows[-2]["graph_passes"] == 0
