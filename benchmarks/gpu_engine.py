@@ -140,6 +140,7 @@ async def run(args) -> dict:
         results.update(graphs=len(slots.graphs), graph_capture_s=slots.capture_s, compile_s=slots.compile_s,
                        prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
                        prefill_graphs=len(slots.prefill_graph_lengths), prefill_graph_capture_s=slots.prefill_graph_capture_s,
+                       prefill_graph_gb=slots.prefill_graph_reserved_bytes / 1e9,
                        prefill_graph_error=slots.prefill_graph_error, kv_cache_gb=slots.cache.bytes / 1e9)
     save()
 
@@ -427,7 +428,7 @@ def main() -> None:
           f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {res.get('graphs', 0)} in "
           f"{res.get('graph_capture_s', 0):.1f} s, of which compile {res.get('compile_s', 0):.1f} s "
           f"+ prefill {res.get('prefill_compile_s', 0):.1f} s; {res.get('prefill_graphs', 0)} one-prompt prefill "
-          f"graphs in {res.get('prefill_graph_capture_s', 0):.1f} s; "
+          f"graphs in {res.get('prefill_graph_capture_s', 0):.1f} s, {res.get('prefill_graph_gb', 0):.2f} GB; "
           f"KV {res.get('kv_cache_gb', 0):.1f} GB)")
     print(f"{'measure':<34}{'value':>12}  target")
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>12.2f}  <= {1.3 * floor_ms:.2f} (1.3 x 3.6 ms floor)")

@@ -241,9 +241,13 @@ def print_report(res: dict, alone: dict | None, args) -> None:
                 print(f"    {leg:<30}{legs[f'{leg}_p50_ms']:>10.1f}{legs[f'{leg}_p95_ms']:>10.1f}")
     if res.get("engine_prefill_passes") is not None:
         w = res.get("warm_up") or {}
+        about = f"{w.get('prefill_graphs', 0)} graphs captured in {w.get('prefill_graph_capture_s') or 0:.1f} s"
+        if w.get("prefill_graph_gb") is not None:
+            about += f", {w['prefill_graph_gb']:.2f} GB"
+        if w.get("prefill_graph_error"):
+            about += f"; {w['prefill_graph_error']}"
         print(f"{'prefill passes / one-prompt replayed':<34}{res['engine_prefill_passes']:>10d}"
-              f"{res.get('engine_prefill_graph_passes') or 0:>10d}  (whole run; {w.get('prefill_graphs', 0)} graphs "
-              f"captured in {w.get('prefill_graph_capture_s') or 0:.1f} s{'; ' + w['prefill_graph_error'] if w.get('prefill_graph_error') else ''})")
+              f"{res.get('engine_prefill_graph_passes') or 0:>10d}  (whole run; {about})")
     s = res["single"]
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>10.2f}"
           f"{(alone or {}).get('single', {}).get('decode_step_ms', float('nan')):>10.2f}")

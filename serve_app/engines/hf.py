@@ -375,6 +375,7 @@ class HFEngine(HFTokenization, Engine):
                        prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
                        prefill_eager_passes=slots.prefill_eager_passes,
                        prefill_graphs=len(slots.prefill_graph_lengths), prefill_graph_capture_s=slots.prefill_graph_capture_s,
+                       prefill_graph_gb=slots.prefill_graph_reserved_bytes / 1e9,
                        prefill_graph_error=slots.prefill_graph_error)
         return out
 

@@ -179,6 +179,7 @@ class SlotDecoder:
         self._prefill_runs: dict[int, tuple[object, object]] = {}  # padded length -> (graph or None, logits)
         self._prefill_in: tuple | None = None  # (ids, slot, last) on the device, and their host staging
         self.prefill_graph_capture_s = 0.0
+        self.prefill_graph_reserved_bytes = 0  # what the graphs' memory pool took from the GPU
         self.prefill_graph_error: str | None = None
         self.prefill_graph_passes = 0
         # the captured passes are used while this is on (as prefill_compiled, for a live compare)
@@ -314,6 +315,7 @@ class SlotDecoder:
             if not cuda:
                 runs = {length: (None, None) for length in lengths}
             else:
+                reserved = torch.cuda.memory_reserved(self.device)
                 pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 # longest first, so the shorter graphs reuse the pool's blocks; the warm-up passes write
@@ -330,6 +332,7 @@ class SlotDecoder:
                     runs[length] = (graph, out)
                 torch.cuda.current_stream().wait_stream(stream)
                 torch.cuda.synchronize()
+                self.prefill_graph_reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved
         except Exception as e:  # noqa: BLE001 - a failed capture leaves the uncaptured pass, which is correct
             self.prefill_graph_error = f"{type(e).__name__}: {str(e)[:300]}"
             log.warning("capturing the one-prompt prefill pass failed, prefilling uncaptured (set "
@@ -337,8 +340,8 @@ class SlotDecoder:
             runs = {}
         self._prefill_runs, self.prefill_graphs = runs, bool(runs)
         self.prefill_graph_capture_s = time.monotonic() - t0
-        log.info("captured %d one-prompt prefill graphs (up to %d tokens) in %.1fs", len(runs), top,
-                 self.prefill_graph_capture_s)
+        log.info("captured %d one-prompt prefill graphs (up to %d tokens) in %.1fs, %.2f GB", len(runs), top,
+                 self.prefill_graph_capture_s, self.prefill_graph_reserved_bytes / 1e9)
 
     def _prefill_pass(self, ids, slot_ids, last):
         import torch
