@@ -103,6 +103,7 @@ class EngineStats:
     forward_passes: int = 0
     prefill_passes: int = 0  # of forward_passes, those that prefilled prompts
     prefill_graph_passes: int = 0  # of prefill_passes, one-prompt passes replayed from a captured CUDA graph
+    prefill_eager_passes: int = 0  # of prefill_passes, shapes the compiled prefill did not cover, run eagerly
     prompt_tokens: int = 0
     generated_tokens: int = 0
     aborted_requests: int = 0

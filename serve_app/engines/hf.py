@@ -393,6 +393,7 @@ class HFEngine(HFTokenization, Engine):
             forward_passes=s.forward_passes,
             prefill_passes=s.prefill_passes,
             prefill_graph_passes=self._slots.prefill_graph_passes if self._slots is not None else 0,
+            prefill_eager_passes=self._slots.prefill_eager_passes if self._slots is not None else 0,
             prompt_tokens=s.prompt_tokens,
             generated_tokens=s.generated_tokens,
             aborted_requests=s.aborted_requests,

@@ -169,7 +169,13 @@ class SeparateProcessEngine(Engine):
     @property
     def warm_up(self) -> dict | None:
         w = self._info.get("warm_up")
-        return None if w is None else {**w, "engine_process_pid": self._proc.pid if self._proc else None}
+        if w is None:
+            return None
+        w = {**w, "engine_process_pid": self._proc.pid if self._proc else None}
+        if "prefill_eager_passes" in w:
+            # the child sent its warm-up once, at its start; this count moves while serving
+            w["prefill_eager_passes"] = self._stats.prefill_eager_passes
+        return w
 
     @property
     def process_gc(self) -> dict | None:
