@@ -180,8 +180,9 @@ def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int 
                     device: str = "cuda", compile_prefill: bool = True) -> list[dict]:
     """The engine's prefill pass (compiled as the engine's warm-up compiles it) for 1, 2, 4, 8 prompts
     of 512 tokens, then one prompt replayed from the engine's captured graph: time, TFLOP/s of the
-    parameters' work, and where the GPU time goes by kernel kind, with the heaviest kernels by name
-    (cuBLAS's names carry their tile shapes)."""
+    parameters' work (the LM head's over every token, unlike gpu_engine.py's: ~8 % more on the 7B, kept
+    so the committed runs compare), and where the GPU time goes by kernel kind, with the heaviest
+    kernels by name (cuBLAS's names carry their tile shapes)."""
     import torch
 
     from serve_app.engines.slot_kv import PREFILL_GRAPH_STEP, SlotDecoder
