@@ -185,11 +185,11 @@ def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int 
     kernels by name (cuBLAS's names carry their tile shapes)."""
     import torch
 
-    from serve_app.engines.slot_kv import PREFILL_GRAPH_STEP, SlotDecoder
+    from serve_app.engines.slot_kv import SlotDecoder, prefill_graph_padding
 
     # the captured length a prompt of `length` pads to; room for it, and for the warm-up's own shapes (two
     # prompts of 37 tokens) whatever the profiled ones
-    padded = -(-length // PREFILL_GRAPH_STEP) * PREFILL_GRAPH_STEP
+    padded = prefill_graph_padding(length)
     slots, max_len = max(*prompts, 2), padded + 8
     dec = SlotDecoder(model, num_slots=slots, max_len=max_len, dtype=model.dtype, device=torch.device(device),
                       use_graphs=False, batch_sizes=[1], span_step=max_len, compile_prefill=compile_prefill)

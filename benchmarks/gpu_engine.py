@@ -158,16 +158,13 @@ async def run(args) -> dict:
     save()
 
     async def load(key, conc, rid, rounds=3):
-        passes, prefills = engine.stats().forward_passes, engine.stats().prefill_passes
-        eager = slots.prefill_eager_passes if slots is not None else 0
-        replayed = engine.stats().prefill_graph_passes
+        before = engine.stats()
         results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, prompt, rng,
                                              rounds)
-        results[key]["forward_passes"] = engine.stats().forward_passes - passes
-        results[key]["prefill_passes"] = engine.stats().prefill_passes - prefills
-        if slots is not None:
-            results[key]["prefill_eager_passes"] = slots.prefill_eager_passes - eager
-        results[key]["prefill_graph_passes"] = engine.stats().prefill_graph_passes - replayed  # one-prompt passes
+        after = engine.stats()
+        # prefill_graph_passes: one-prompt passes replayed; prefill_eager_passes: shapes not compiled
+        for counter in ("forward_passes", "prefill_passes", "prefill_eager_passes", "prefill_graph_passes"):
+            results[key][counter] = getattr(after, counter) - getattr(before, counter)
         results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
         save()
 

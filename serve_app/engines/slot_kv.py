@@ -115,6 +115,29 @@ class SlotKVCache:
 PREFILL_GRAPH_STEP = 64
 
 
+def prefill_graph_padding(n: int) -> int:
+    """The length a one-prompt pass of ``n`` tokens pads to for its graph (at least 2 positions, as the
+    compiled pass takes)."""
+    return -(-max(n, 2) // PREFILL_GRAPH_STEP) * PREFILL_GRAPH_STEP
+
+
+def capture_graph(run, pool, stream):
+    """Runs ``run`` twice on ``stream`` (lazy inits and cuBLAS workspaces happen outside the capture), then
+    captures it into a CUDA graph in ``pool``; returns (graph, run's output). ``stream`` first waits for
+    the current stream, so inputs written there before the call are in place."""
+    import torch
+
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = run()
+    return graph, out
+
+
 def bucket(n: int, sizes: list[int]) -> int:
     for s in sizes:
         if s >= n:
@@ -252,10 +275,8 @@ class SlotDecoder:
 
     def prefill_graph_length(self, n: int) -> int | None:
         """The captured length a one-prompt pass of ``n`` tokens pads to; None past the longest."""
-        for length in self.prefill_graph_lengths:
-            if length >= max(n, 2):
-                return length
-        return None
+        padded = prefill_graph_padding(n)
+        return padded if padded in self._prefill_runs else None
 
     def _replay_prefill(self, prompt: list[int], slot: int, pad_id: int, padded: int):
         import torch
@@ -317,20 +338,13 @@ class SlotDecoder:
             else:
                 reserved = torch.cuda.memory_reserved(self.device)
                 pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
                 # longest first, so the shorter graphs reuse the pool's blocks; the warm-up passes write
                 # slot 0's first positions, which no sequence owns yet
                 for length in reversed(lengths):
                     args = (ids[:length].view(1, length), slot_ids, last)
                     last.fill_(length - 1)
-                    with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.stream(stream):
-                        for _ in range(2):  # lazy inits and cuBLAS workspaces happen outside the capture
-                            fn(*args)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, stream=stream):
-                            out = fn(*args)
-                    runs[length] = (graph, out)
-                torch.cuda.current_stream().wait_stream(stream)
+                    with torch.compiler.set_stance("fail_on_recompile"):
+                        runs[length] = capture_graph(lambda a=args: fn(*a), pool, stream)
                 torch.cuda.synchronize()
                 self.prefill_graph_reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved
         except Exception as e:  # noqa: BLE001 - a failed capture leaves the uncaptured pass, which is correct
@@ -467,19 +481,11 @@ class SlotDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         # largest first, so smaller graphs reuse the pool's blocks
         for rows in sorted(self.batch_sizes, reverse=True):
             for span in sorted(self.spans, reverse=True):
-                if (rows, span) in self.graphs:
-                    continue
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # lazy inits and cuBLAS workspaces happen outside the capture
-                        self._step(rows, span)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    out = self._step(rows, span)
-                self.graphs[(rows, span)] = (graph, out)
+                if (rows, span) not in self.graphs:
+                    self.graphs[(rows, span)] = capture_graph(lambda r=rows, s=span: self._step(r, s),
+                                                              self._pool, stream)
         torch.cuda.synchronize()
         self.positions.zero_()
