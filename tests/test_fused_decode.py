@@ -166,6 +166,38 @@ def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results()
 
 
 @needs_cxx
+def test_the_compiled_prefill_writes_its_prompts_in_place_and_nowhere_else():
+    """A write into the view k[:, :, :n] (index_copy_, as the pass had it) compiles into a copy of that view
+    for every slot, the write, and a copy back: ~1.8 ms of a ~11 ms pass on the 7B at 64 slots x 512 tokens.
+    The pass must allocate nothing the size of all slots, and must leave the other slots' keys and values,
+    and the positions past the pass's length, as they were."""
+    from torch._inductor.utils import run_and_get_code
+
+    register_attention()
+    model = _tiny("qwen2")
+    model.set_attn_implementation(ATTENTION_NAME)
+    slots = 61  # a count no other dimension of the tiny model has, to find it in the generated code
+    dec = SlotDecoder(model, num_slots=slots, max_len=128, dtype=torch.float32, device=torch.device("cpu"),
+                      use_graphs=False, batch_sizes=[2], span_step=32, compile_prefill=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        _, code = run_and_get_code(dec.compile_prefill_pass)
+        assert dec.prefill_compile_error is None
+        allocations = [line for c in code for line in c.splitlines() if "= empty_strided" in line]
+        assert allocations and not [a for a in allocations if f"(({slots}, " in a]
+        for t in dec.cache.keys + dec.cache.values:
+            t.fill_(7.0)
+        lengths, where = [9, 30], [40, 3]
+        dec.prefill([[20 + i] * n for i, n in enumerate(lengths)], where, 0)
+    for t in dec.cache.keys + dec.cache.values:
+        written = torch.zeros_like(t, dtype=torch.bool)
+        for s in where:  # a pass pads its prompts on the right to the longest; the padding's keys are written too
+            written[s, :, :max(lengths)] = True
+        assert (t[~written] == 7.0).all()
+        assert (t[written] != 7.0).all()
+
+
+@needs_cxx
 def test_one_prompt_passes_padded_to_the_captured_lengths_leave_what_the_exact_pass_leaves():
     # on a GPU these lengths are CUDA graphs; here the same compiled pass runs on the same padded
     # buffers, which is what a replay computes: the padding must change no logit, key, value or next step
