@@ -177,7 +177,7 @@ def prefill_rate(model) -> list[dict]:
 
 
 def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int = 512,
-                    device: str = "cuda", compile_prefill: bool = True) -> list[dict]:
+                    device: str = "cuda", compile_prefill: bool = True, num_slots: int = 64) -> list[dict]:
     """The engine's prefill pass (compiled as the engine's warm-up compiles it) for 1, 2, 4, 8 prompts
     of 512 tokens, then one prompt replayed from the engine's captured graph: time, TFLOP/s of the
     parameters' work (the LM head's over every token, unlike gpu_engine.py's: ~8 % more on the 7B, kept
@@ -188,9 +188,11 @@ def prefill_profile(model, prompts: tuple[int, ...] = (1, 2, 4, 8), length: int 
     from serve_app.engines.slot_kv import SlotDecoder, prefill_graph_padding
 
     # the captured length a prompt of `length` pads to; room for it, and for the warm-up's own shapes (two
-    # prompts of 37 tokens) whatever the profiled ones
+    # prompts of 37 tokens) whatever the profiled ones. As many KV slots as the engine has (its default
+    # max_num_seqs): a pass's cost can follow the slot count (the KV write did before c18e22c, which the
+    # probe's 8 slots hid: 10.95 ms here against 13.82 in the engine)
     padded = prefill_graph_padding(length)
-    slots, max_len = max(*prompts, 2), padded + 8
+    slots, max_len = max(*prompts, 2, num_slots), padded + 8
     dec = SlotDecoder(model, num_slots=slots, max_len=max_len, dtype=model.dtype, device=torch.device(device),
                       use_graphs=False, batch_sizes=[1], span_step=max_len, compile_prefill=compile_prefill)
     params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
