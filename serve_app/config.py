@@ -229,9 +229,22 @@ class VariantConfig(StrictModel):
         return int(opts.get("max_num_seqs", 64)) + int(opts.get("max_waiting_requests", 64)) + 8
 
 
+class SamplingDefaults(StrictModel):
+    """The sampling a request gets for the fields it leaves out; a request's own values always win."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0,
+                               description="Temperature of requests that name none (0 is greedy); OpenAI's is 1.0.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass of requests that name none; OpenAI's is 1.0.")
+
+
 class ModelConfig(StrictModel):
     name: Name = Field(description="The model name clients send in the 'model' field.")
     variants: list[VariantConfig] = Field(min_length=1, description="Variants serving this model.")
+    sampling_defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults,
+        description="Sampling for the fields a request leaves out, as vLLM takes it from a model's "
+                    "generation_config.json (a small model samples sensibly only at its recommended temperature). "
+                    "Default: OpenAI's, temperature 1.0 and top_p 1.0.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

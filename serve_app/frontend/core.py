@@ -123,6 +123,11 @@ class InferenceCore:
     def models(self) -> list[str]:
         return [m.name for m in self.config.models]
 
+    def sampling_defaults(self, model: str):
+        """The model's sampling for fields a request leaves out; None for an unknown model (routing
+        rejects it)."""
+        return next((m.sampling_defaults for m in self.config.models if m.name == model), None)
+
     def route(self, model: str, user: str | None, override: str | None = None) -> tuple[str, object]:
         split = self.router.split(model)
         if split is None:

@@ -36,6 +36,7 @@ def to_internal(req: pb.GenerateRequest, core: InferenceCore) -> tuple[Inference
         if req.HasField(name):
             common[name] = getattr(req, name)
     limits = core.config.limits
+    defaults = core.sampling_defaults(req.model)
     try:
         if req.messages:
             body = ChatCompletionRequest(
@@ -44,13 +45,13 @@ def to_internal(req: pb.GenerateRequest, core: InferenceCore) -> tuple[Inference
                 top_logprobs=req.top_logprobs or None,
                 **common,
             )
-            return chat_to_internal(body, limits), body.user
+            return chat_to_internal(body, limits, defaults), body.user
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         body = CompletionRequest(
             prompt=req.prompt, logprobs=(req.top_logprobs if req.logprobs else None), **common
         )
-        internal = completion_to_internal(body, limits)
+        internal = completion_to_internal(body, limits, defaults)
         if not req.HasField("max_tokens"):
             internal.max_tokens = None  # gRPC callers get the server default, not OpenAI's legacy 16
         return internal, body.user

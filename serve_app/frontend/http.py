@@ -96,7 +96,8 @@ async def run_request(core: InferenceCore, request: Request, body, chat: bool, c
     """``keys``: a KeyStore when API keys are required (401 without one, 429 over its limits)."""
     principal = keys.authenticate(request.headers.get("authorization")) if keys is not None else None
     limits = core.config.limits
-    req = chat_to_internal(body, limits) if chat else completion_to_internal(body, limits)
+    defaults = core.sampling_defaults(body.model)
+    req = chat_to_internal(body, limits, defaults) if chat else completion_to_internal(body, limits, defaults)
     user = _user_key(request, body.user)
     override = request.headers.get(OVERRIDE_HEADER)
     if override is not None and check_admin is not None:

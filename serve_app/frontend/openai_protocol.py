@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.config import LimitsConfig
+from serve_app.config import LimitsConfig, SamplingDefaults
 from serve_app.errors import InvalidRequestError
 from serve_app.internal import Completion, Delta, InferenceRequest
 
@@ -139,7 +139,9 @@ def _check_limits(req: _SamplingFields, max_tokens: int | None, limits: LimitsCo
         raise InvalidRequestError("stop strings must not be empty", param="stop")
 
 
-def chat_to_internal(req: ChatCompletionRequest, limits: LimitsConfig) -> InferenceRequest:
+def chat_to_internal(req: ChatCompletionRequest, limits: LimitsConfig,
+                     defaults: SamplingDefaults | None = None) -> InferenceRequest:
+    """``defaults``: the model's sampling for the fields the request leaves out (OpenAI's without)."""
     max_tokens = req.max_completion_tokens or req.max_tokens
     _check_limits(req, max_tokens, limits)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -150,8 +152,7 @@ def chat_to_internal(req: ChatCompletionRequest, limits: LimitsConfig) -> Infere
         model=req.model,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        **_sampling(req, defaults),
         seed=req.seed,
         stop=req.stops(),
         logprobs=bool(req.logprobs),
@@ -160,7 +161,9 @@ def chat_to_internal(req: ChatCompletionRequest, limits: LimitsConfig) -> Infere
     )
 
 
-def completion_to_internal(req: CompletionRequest, limits: LimitsConfig) -> InferenceRequest:
+def completion_to_internal(req: CompletionRequest, limits: LimitsConfig,
+                           defaults: SamplingDefaults | None = None) -> InferenceRequest:
+    """``defaults``: as chat_to_internal's."""
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default here
     _check_limits(req, max_tokens, limits)
     prompt, ids = None, None
@@ -181,14 +184,19 @@ def completion_to_internal(req: CompletionRequest, limits: LimitsConfig) -> Infe
         prompt=prompt,
         prompt_token_ids=ids,
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        **_sampling(req, defaults),
         seed=req.seed,
         stop=req.stops(),
         logprobs=want,
         top_logprobs=req.logprobs or 0,
         ignore_eos=bool(req.ignore_eos),
     )
+
+
+def _sampling(req, defaults: SamplingDefaults | None) -> dict:
+    d = defaults or SamplingDefaults()
+    return {"temperature": d.temperature if req.temperature is None else req.temperature,
+            "top_p": d.top_p if req.top_p is None else req.top_p}
 
 
 def new_id(prefix: str) -> str:
