@@ -18,7 +18,7 @@ from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 
 from rollout.router import Router
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, SamplingDefaults
 from rollout.signals import RequestTelemetry
 from serve_app import metrics
 from serve_app.errors import (
@@ -123,7 +123,7 @@ class InferenceCore:
     def models(self) -> list[str]:
         return [m.name for m in self.config.models]
 
-    def sampling_defaults(self, model: str):
+    def sampling_defaults(self, model: str) -> SamplingDefaults | None:
         """The model's sampling for fields a request leaves out; None for an unknown model (routing
         rejects it)."""
         return next((m.sampling_defaults for m in self.config.models if m.name == model), None)

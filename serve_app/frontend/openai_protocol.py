@@ -193,8 +193,11 @@ def completion_to_internal(req: CompletionRequest, limits: LimitsConfig,
     )
 
 
+_OPENAI_SAMPLING = SamplingDefaults()
+
+
 def _sampling(req, defaults: SamplingDefaults | None) -> dict:
-    d = defaults or SamplingDefaults()
+    d = defaults or _OPENAI_SAMPLING
     return {"temperature": d.temperature if req.temperature is None else req.temperature,
             "top_p": d.top_p if req.top_p is None else req.top_p}
 
