@@ -137,11 +137,13 @@ async def run(args) -> dict:
 
     slots = getattr(engine, "_slots", None)
     if slots is not None:
+        # the one-prompt prefill graphs as the replica reports them (its warm_up)
+        w = engine.warm_up
         results.update(graphs=len(slots.graphs), graph_capture_s=slots.capture_s, compile_s=slots.compile_s,
                        prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
-                       prefill_graphs=len(slots.prefill_graph_lengths), prefill_graph_capture_s=slots.prefill_graph_capture_s,
-                       prefill_graph_gb=slots.prefill_graph_reserved_bytes / 1e9,
-                       prefill_graph_error=slots.prefill_graph_error, kv_cache_gb=slots.cache.bytes / 1e9)
+                       kv_cache_gb=slots.cache.bytes / 1e9,
+                       **{k: w[k] for k in ("prefill_graphs", "prefill_graph_capture_s", "prefill_graph_gb",
+                                            "prefill_graph_error")})
     save()
 
     # single stream: decode step = (e2e - ttft) / (tokens - 1)
