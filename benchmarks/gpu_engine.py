@@ -143,7 +143,9 @@ async def run(args) -> dict:
                        prefill_compile_s=slots.prefill_compile_s, prefill_compile_error=slots.prefill_compile_error,
                        kv_cache_gb=slots.cache.bytes / 1e9,
                        **{k: w[k] for k in ("prefill_graphs", "prefill_graph_capture_s", "prefill_graph_gb",
-                                            "prefill_graph_error")})
+                                            "prefill_graph_error", "mixed_graphs", "mixed_compile_s",
+                                            "mixed_compile_error", "mixed_graph_capture_s", "mixed_graph_gb",
+                                            "mixed_graph_error")})
     save()
 
     # single stream: decode step = (e2e - ttft) / (tokens - 1)
@@ -164,8 +166,10 @@ async def run(args) -> dict:
         results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, prompt, rng,
                                              rounds)
         after = engine.stats()
-        # prefill_graph_passes: one-prompt passes replayed; prefill_eager_passes: shapes not compiled
-        for counter in ("forward_passes", "prefill_passes", "prefill_eager_passes", "prefill_graph_passes"):
+        # prefill_graph_passes: one-prompt passes replayed; prefill_eager_passes: shapes not compiled;
+        # mixed_passes: one prompt and a decode step in one captured pass
+        for counter in ("forward_passes", "prefill_passes", "prefill_eager_passes", "prefill_graph_passes",
+                        "mixed_passes"):
             results[key][counter] = getattr(after, counter) - getattr(before, counter)
         results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
         save()
@@ -197,6 +201,7 @@ async def run(args) -> dict:
         results["graph_replay_ms"] = graph_replay_ms(slots)
         results["graph_replay_ms_by_span"] = graph_replay_ms_by_span(slots)
         results["graphs_at_end"] = len(slots.graphs)
+        results["mixed_replay_ms"] = mixed_replay_ms(slots, args.prompt)
         save()
     await engine.shutdown()
     return results
@@ -254,6 +259,30 @@ def graph_replay_ms_by_span(slots, reps: int = 30) -> dict:
         out[str(rows)] = {str(span): round(time_replay_ms(graph, reps, warmup=1), 3)
                           for (b, span), (graph, _) in sorted(slots.graphs.items())
                           if b == batch and 512 <= span <= 1024}
+    return out
+
+
+def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
+    """GPU time of one captured mixed pass (a prompt of ``prompt_len`` tokens and a decode step of 16, 32 or 64
+    rows, span 768), beside what it replaces: the prompt's one-prompt prefill graph plus a decode step's. The
+    engine is idle: every row is free, so the rows' work is the same and nothing is written that a
+    sequence owns."""
+    from serve_app.engines.slot_kv import bucket, prefill_graph_padding
+
+    span = next(s for s in slots.spans if s >= 640)
+    length = prefill_graph_padding(prompt_len)
+    out = {}
+    runs = getattr(slots, "_mixed_runs", {})
+    for rows in (16, 32, 64):
+        graph = runs.get((length, bucket(rows, slots.mixed_rows), span))
+        if graph is not None:
+            out[f"mixed_{rows}"] = round(time_replay_ms(graph, reps, warmup=2), 3)
+    prefill = slots._prefill_runs.get(length)
+    if prefill is not None and prefill[0] is not None:
+        out["prefill_one_prompt"] = round(time_replay_ms(prefill[0], reps, warmup=2), 3)
+    for rows in (16, 32, 64):
+        out[f"decode_{rows}"] = round(time_replay_ms(slots.graphs[(bucket(rows, slots.batch_sizes), span)][0], reps,
+                                                     warmup=1), 3)
     return out
 
 
@@ -428,7 +457,12 @@ def main() -> None:
           f"{res.get('graph_capture_s', 0):.1f} s, of which compile {res.get('compile_s', 0):.1f} s "
           f"+ prefill {res.get('prefill_compile_s', 0):.1f} s; {res.get('prefill_graphs', 0)} one-prompt prefill "
           f"graphs in {res.get('prefill_graph_capture_s', 0):.1f} s, {res.get('prefill_graph_gb', 0):.2f} GB; "
+          f"mixed: compile {res.get('mixed_compile_s', 0):.1f} s, {res.get('mixed_graphs', 0)} graphs in "
+          f"{res.get('mixed_graph_capture_s', 0):.1f} s, {res.get('mixed_graph_gb', 0):.2f} GB; "
           f"KV {res.get('kv_cache_gb', 0):.1f} GB)")
+    for key in ("mixed_compile_error", "mixed_graph_error"):
+        if res.get(key):
+            print(f"{key}: {res[key]}")
     print(f"{'measure':<34}{'value':>12}  target")
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>12.2f}  <= {1.3 * floor_ms:.2f} (1.3 x 3.6 ms floor)")
     print(f"{'single-stream tok/s':<34}{s['tok_s']:>12.1f}")
@@ -438,7 +472,7 @@ def main() -> None:
 
     def print_steady(label: str, r: dict) -> None:
         print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill, "
-              f"{r.get('prefill_graph_passes', 0)} of them replayed)")
+              f"{r.get('prefill_graph_passes', 0)} of them replayed, {r.get('mixed_passes', 0)} mixed)")
         if r.get("full_window"):
             w = r["full_window"]
             print(f"{'    while all 64 were in flight':<34}{w['output_tok_s']:>12.0f}  ({w['start_s']:.1f}-{w['end_s']:.1f} s)")
@@ -449,6 +483,7 @@ def main() -> None:
     print(f"{'    of which prefill':<34}{c64['prefill_passes']:>12d}{c32['prefill_passes']:>8d}")
     print(f"{'      one prompt, replayed':<34}{c64.get('prefill_graph_passes', 0):>12d}"
           f"{c32.get('prefill_graph_passes', 0):>8d}")
+    print(f"{'      mixed with a decode step':<34}{c64.get('mixed_passes', 0):>12d}{c32.get('mixed_passes', 0):>8d}")
     print(f"{'TTFT p95 at 32 concurrent (ms)':<34}{c32['ttft_p95_ms']:>12.0f}  <= 200")
     print(f"{'TTFT p50 at 32 concurrent (ms)':<34}{c32['ttft_p50_ms']:>12.0f}")
     print(f"{'  to the first text, p95 / p50':<34}{c32['ttft_text_p95_ms']:>12.0f}{c32['ttft_text_p50_ms']:>8.0f}")
@@ -463,8 +498,8 @@ def main() -> None:
             r = res[f"concurrency_{conc}_{compare_tag(change)}"]
             print(f"{f'  {conc} concurrent: tok/s':<34}{r['output_tok_s']:>12.0f}")
             print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
-            print(f"{f'  forward / prefill / replayed':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}"
-                  f"{r.get('prefill_graph_passes', 0):>8d}")
+            print(f"{f'  forward / prefill / replayed / mixed':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}"
+                  f"{r.get('prefill_graph_passes', 0):>8d}{r.get('mixed_passes', 0):>8d}")
         if f"concurrency_64_steady_{compare_tag(change)}" in res:
             print_steady(f"  64, {args.steady_rounds} per stream: tok/s", res[f"concurrency_64_steady_{compare_tag(change)}"])
     for key, r in res.get("prefill_pass_ms", {}).items():
@@ -481,6 +516,8 @@ def main() -> None:
         print(f"{f'graph replay alone, batch {rows} (ms)':<34}{ms:>12.2f}")
     for rows, by_span in res.get("graph_replay_ms_by_span", {}).items():
         print(f"{f'  batch {rows} by span':<34}  " + ", ".join(f"{s}: {ms:.2f}" for s, ms in by_span.items()))
+    for key, ms in res.get("mixed_replay_ms", {}).items():
+        print(f"{f'replay alone, {key} (ms)':<34}{ms:>12.2f}  ({args.prompt}-token prompt, span 768)")
     for tag, s_ in res.get("compare_switch_s", {}).items():
         print(f"{f'switch to {tag} (s)':<34}{s_:>12.2f}")
 

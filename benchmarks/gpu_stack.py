@@ -82,7 +82,8 @@ async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) 
     return 1000 * statistics.median(xs)
 
 
-async def drive(base: str, model: str, args) -> dict:
+async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> dict:
+    """The loads through the HTTP API; ``checkpoint`` gets what is measured so far after each one."""
     import httpx
 
     rng = random.Random(0)
@@ -102,6 +103,7 @@ async def drive(base: str, model: str, args) -> dict:
             out[key] = await concurrent_load(
                 lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds)
             out[key]["window_ns"] = [t0_ns, time.time_ns()]
+            checkpoint(out)
     return out
 
 
@@ -183,12 +185,23 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     stats = httpx.get(f"{base}/admin/engine-stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
                       timeout=60).json()
     res["placement"] = stats["bench/stable"].get("placement")
-    res.update(asyncio.run(drive(base, "bench", args)))
+    res["warm_up"] = stats["bench/stable"].get("warm_up")
+
+    def checkpoint(part: dict) -> None:
+        # a call cut short by its time limit still leaves the deploy and the loads done (gpu_engine.py saves so
+        # too): on 2026-12-04 a cold deploy that compiled for 7 minutes left nothing
+        partial = Path(args.out) / f"gpu_stack_partial_{proxy}_{engine_process}.json"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({**res, **part, "partial": True}, indent=2))
+
+    checkpoint({})
+    res.update(asyncio.run(drive(base, "bench", args, checkpoint)))
     stats = httpx.get(f"{base}/admin/engine-stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
                       timeout=60).json()["bench/stable"]
     res["engine_forward_passes"] = stats.get("forward_passes")
     res["engine_prefill_passes"] = stats.get("prefill_passes")
     res["engine_prefill_graph_passes"] = stats.get("prefill_graph_passes")  # one-prompt passes replayed
+    res["engine_mixed_passes"] = stats.get("mixed_passes")  # one prompt and a decode step in one captured pass
     res["replica_gc"] = stats.get("gc")  # the LLM server process's collections since its constructor
     res["engine_process_gc"] = stats.get("engine_process_gc")  # with --engine-process separate
     res["warm_up"] = stats.get("warm_up")

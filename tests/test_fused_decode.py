@@ -238,6 +238,62 @@ def test_one_prompt_passes_padded_to_the_captured_lengths_leave_what_the_exact_p
 
 
 @needs_cxx
+def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
+    # the captured mixed passes are this compiled function at each (prompt length, rows, span); here the
+    # keys run it directly on the same buffers. The new prompt's slot (3) lies inside the decode rows: its
+    # free row writes position 0 in the same pass, and the prompt must win
+    from torch._dynamo.utils import counters
+
+    eager, compiled = _eager_and_compiled(compile_step=True)
+    compiled.mixed_graph_tokens, compiled.mixed_rows = 128, [4, 8]
+    with torch.inference_mode():
+        compiled.compile_mixed_pass()
+        compiled.capture_mixed_graphs()
+        assert compiled.mixed_compile_error is None and compiled.mixed_graphs
+        assert len(compiled._mixed_runs) == 2 * 2 * 4  # lengths 64, 128 x rows 4, 8 x spans 32..128
+        graphs = counters["stats"]["unique_graphs"]
+        running = {0: 7, 1: 12, 2: 3, 4: 20}
+        for dec in (eager, compiled):
+            for slot, n in running.items():
+                dec.prefill([[30 + slot + j for j in range(n)]], [slot], 0)
+                dec.positions[slot], dec.active[slot], dec.tokens[slot] = n, 1, 100 + slot
+        for step, (n, slot) in enumerate([(23, 3), (70, 5), (2, 6)]):
+            prompt = [(50 + 7 * step + j) % 450 + 20 for j in range(n)]
+            rows = max(running) + 1
+            longest = max(running.values()) + 1
+            logits, chosen, lp = (t.clone() for t in eager._step(rows, longest))
+            want_prompt = eager.prefill([prompt], [slot], 0)
+            key = compiled.mixed_key(n, rows, longest)
+            assert key == (64 if n <= 64 else 128, 8, next(s for s in compiled.spans if s >= longest))
+            got_prompt, (got_logits, got_chosen, got_lp) = compiled.mixed(key, prompt, slot, 3)
+            torch.testing.assert_close(got_prompt, want_prompt, rtol=1e-4, atol=1e-4)
+            for r in running:
+                torch.testing.assert_close(got_logits[r], logits[r], rtol=1e-4, atol=1e-4)
+                assert got_chosen[r] == chosen[r]
+                torch.testing.assert_close(got_lp[r], lp[r], rtol=1e-4, atol=1e-4)
+            # the free row's token is noise either way (the host overwrites it with the prompt's first token)
+            assert torch.equal(compiled.positions, eager.positions)
+            assert all(compiled.tokens[r] == eager.tokens[r] for r in running)
+            for r in running:
+                running[r] += 1
+            for layer in range(len(eager.cache.keys)):
+                for s, end in {**running, slot: n}.items():
+                    torch.testing.assert_close(compiled.cache.keys[layer][s, :, :end],
+                                               eager.cache.keys[layer][s, :, :end], rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(compiled.cache.values[layer][s, :, :end],
+                                               eager.cache.values[layer][s, :, :end], rtol=1e-4, atol=1e-4)
+            for dec in (eager, compiled):  # the new sequence decodes from the next step on
+                dec.positions[slot], dec.active[slot], dec.tokens[slot] = n, 1, 200 + slot
+            running[slot] = n
+        compiled.mixed((64, 4, 128), [5] * 10, 7, 0)  # the other row count, at the full span
+        # past the longest captured prompt, the rows or the spans: no mixed pass
+        assert compiled.mixed_key(129, 2, 10) is None and compiled.mixed_key(10, 9, 10) is None
+        assert compiled.mixed_key(10, 2, 129) is not None  # spans clamp to the longest, as decode's do
+    assert counters["stats"]["unique_graphs"] == graphs  # every key reused the one compile
+    assert compiled.mixed_graph_passes == 4
+
+
+@needs_cxx
 def test_a_prefill_shape_the_warm_up_missed_runs_eagerly_without_compiling():
     from torch._dynamo.utils import counters
 

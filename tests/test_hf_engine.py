@@ -204,6 +204,45 @@ async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_mo
         await slots.shutdown()
 
 
+async def test_prompts_prefilled_inside_the_running_rows_decode_step_change_no_answer(embedded_model_dir):
+    # on a GPU mixed passes are captured graphs; on the CPU the same pass runs directly, so the engine's side
+    # (a free slot inside the rows, the first token read after the pass, the rows' tokens in flight) is checked
+    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512, "kv_cache": "static"})
+    await eng.start()
+    try:
+        prompts = [eng.encode_chat([{"role": "user", "content": q}]) for q in
+                   ("What is the capital of France?", "Name three colours.", "Count to five.", "Say hi.")]
+
+        async def staggered(tag):
+            # a sampled stream decodes throughout, and the greedy prompts come 4 forward passes apart, so each
+            # arrives alone while rows decode
+            start = eng.stats().forward_passes
+            noise = asyncio.create_task(run(eng, f"{tag}-noise", prompts[1], temperature=1.0, max_tokens=80,
+                                            ignore_eos=True))
+            tasks = []
+            for i, p in enumerate(prompts):
+                while eng.stats().forward_passes < start + 4 * (i + 1):
+                    await asyncio.sleep(0.002)
+                tasks.append(asyncio.create_task(run(eng, f"{tag}{i}", p, temperature=0, max_tokens=24)))
+            got = [ids_of(chunks) for chunks in await asyncio.gather(*tasks)]
+            assert len(ids_of(await noise)) == 80
+            return got
+
+        separate = await staggered("sep")
+        assert eng.stats().mixed_passes == 0 and eng.warm_up["mixed_graphs"] == 0
+        eng._slots.mixed_graph_tokens = 128
+        eng._slots.capture_mixed_graphs()
+        assert eng.warm_up["mixed_graphs"] == 2 * 1 * 2  # lengths 64, 128 x rows 6 x spans 256, 512
+        passes = eng.stats().prefill_passes
+        mixed = await staggered("mix")
+        assert mixed == separate
+        # every greedy prompt arrived alone while the sampled stream decoded
+        assert eng.stats().mixed_passes == len(prompts) == eng.stats().prefill_passes - passes - 1
+        assert eng.stats().num_running == 0 and eng.stats().kv_cache_usage == 0.0
+    finally:
+        await eng.shutdown()
+
+
 async def test_held_prompts_share_one_prefill_pass(engine):
     ids = engine.encode_text("The quick brown fox jumps over the lazy dog.")
     opts = engine.options

@@ -104,6 +104,7 @@ class EngineStats:
     prefill_passes: int = 0  # of forward_passes, those that prefilled prompts
     prefill_graph_passes: int = 0  # of prefill_passes, one-prompt passes replayed from a captured CUDA graph
     prefill_eager_passes: int = 0  # of prefill_passes, shapes the compiled prefill did not cover, run eagerly
+    mixed_passes: int = 0  # of prefill_passes, one prompt prefilled in the same captured pass as a decode step
     prompt_tokens: int = 0
     generated_tokens: int = 0
     aborted_requests: int = 0

@@ -245,6 +245,7 @@ class HFEngine(HFTokenization, Engine):
             use_graphs=use_graphs, compile_step=use_graphs and opts.compile_decode,
             compile_prefill=use_graphs and opts.compile_prefill,
             prefill_graph_tokens=opts.prefill_graph_tokens if use_graphs else 0,
+            mixed_graph_tokens=opts.mixed_graph_tokens if use_graphs else 0,
             batch_sizes=[b for b in sizes if b <= opts.max_num_seqs], span_step=opts.cuda_graph_span_step)
         self._free = list(range(opts.max_num_seqs))
         heapq.heapify(self._free)
@@ -376,7 +377,11 @@ class HFEngine(HFTokenization, Engine):
                        prefill_eager_passes=slots.prefill_eager_passes,
                        prefill_graphs=len(slots.prefill_graph_lengths), prefill_graph_capture_s=slots.prefill_graph_capture_s,
                        prefill_graph_gb=slots.prefill_graph_reserved_bytes / 1e9,
-                       prefill_graph_error=slots.prefill_graph_error)
+                       prefill_graph_error=slots.prefill_graph_error,
+                       mixed_graphs=len(slots._mixed_runs), mixed_compile_s=slots.mixed_compile_s,
+                       mixed_compile_error=slots.mixed_compile_error,
+                       mixed_graph_capture_s=slots.mixed_graph_capture_s,
+                       mixed_graph_gb=slots.mixed_graph_reserved_bytes / 1e9, mixed_graph_error=slots.mixed_graph_error)
         return out
 
     def stats(self) -> EngineStats:
@@ -394,6 +399,7 @@ class HFEngine(HFTokenization, Engine):
             prefill_passes=s.prefill_passes,
             prefill_graph_passes=self._slots.prefill_graph_passes if self._slots is not None else 0,
             prefill_eager_passes=self._slots.prefill_eager_passes if self._slots is not None else 0,
+            mixed_passes=self._slots.mixed_graph_passes if self._slots is not None else 0,
             prompt_tokens=s.prompt_tokens,
             generated_tokens=s.generated_tokens,
             aborted_requests=s.aborted_requests,
@@ -508,6 +514,8 @@ class HFEngine(HFTokenization, Engine):
     # ---- static slots ------------------------------------------------------
     def _iteration_static(self) -> None:
         new = self._admit()
+        if new and self._mixed_static(new):
+            return
         if new:
             self._prefill_static(new)
         busy = [s for s in self._running if not s.finished]
@@ -523,22 +531,52 @@ class HFEngine(HFTokenization, Engine):
         if busy:
             self._decode_static_sync(busy)
 
-    def _prefill_static(self, new: list[_Seq]) -> None:
+    def _start_static(self, new: list[_Seq]) -> None:
+        """Gives the admitted sequences their slots; they run from now on: if their pass fails, they fail with
+        the batch and their slots are freed."""
         import heapq
-
-        import torch
 
         now = time.monotonic()
         for s in new:
             s.queue_time_s = now - s.submitted_s
             s.slot = heapq.heappop(self._free)
             s.pos = len(s.req.prompt_token_ids)
-        # running before the forward pass: if it fails, they fail with the batch and their slots are freed
         self._running.extend(new)
-        logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
         self._stats.forward_passes += 1
         self._stats.prefill_passes += 1
         self._stats.prompt_tokens += sum(s.pos for s in new)
+
+    def _mixed_static(self, new: list[_Seq]) -> bool:
+        """One new prompt and the running rows' decode step in one captured pass (SlotDecoder.mixed), if one
+        covers them; False leaves both to the separate passes."""
+        busy = [s for s in self._running if not s.finished]
+        if len(new) != 1 or not busy or not all(s.fast_sampling for s in busy):
+            return False
+        rows, span = self._rows_and_span(busy)
+        seq = new[0]
+        key = self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, span)
+        if key is None:
+            return False
+        self._start_static(new)
+        prompt_logits, step = self._slots.mixed(key, seq.req.prompt_token_ids, seq.slot, self._pad_id)
+        launched = self._after_launch(busy, rows, *(t[:rows] for t in step))
+        self._read_inflight()  # the previous step's tokens
+        self._inflight = launched
+        # the prompt's first token; this waits for the pass, and its token then overwrites what the pass left
+        # in the (then free) slot's row
+        self._first_tokens(new, prompt_logits)
+        if self._slots.device.type != "cuda":
+            self._read_inflight()
+        return True
+
+    def _prefill_static(self, new: list[_Seq]) -> None:
+        self._start_static(new)
+        logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
+        self._first_tokens(new, logits)
+
+    def _first_tokens(self, new: list[_Seq], logits) -> None:
+        import torch
+
         chosen = self._sample(logits, new).view(-1)
         slots = torch.tensor([s.slot for s in new], dtype=torch.long).to(self.device)
         self._slots.tokens.index_copy_(0, slots, chosen)
@@ -555,8 +593,15 @@ class HFEngine(HFTokenization, Engine):
         import torch
 
         rows, span = self._rows_and_span(busy)
-        logits, chosen, lp = (t[:rows] for t in self._slots.decode(rows, span))  # greedy, inside the step
         self._stats.forward_passes += 1
+        # greedy, inside the step
+        return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)))
+
+    def _after_launch(self, busy: list[_Seq], rows: int, logits, chosen, lp):
+        """Sampling other than greedy for the rows of a step just queued, and the copy of its tokens to the
+        host; returns what _read_inflight reads once the step is done."""
+        import torch
+
         hot = [s for s in busy if s.req.sampling.temperature > 0]
         if hot:
             logits = logits.float()

@@ -31,26 +31,46 @@ log = logging.getLogger(__name__)
 ATTENTION_NAME = "seekserve_slots"
 
 
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [B, H, q, d]; key/value [B, KVH, S, d] as returned by SlotKVCache.update."""
+def _grouped_decode_attention(query, key, value, attention_mask, scaling):
+    """query [B, H, d] (one token per row); key/value [B, KVH, S, d]; mask [B, 1, 1, S] -> [B, H, d].
+    The query heads of each KV head are grouped so K and V are read once (no repeat_kv copy)."""
+    import torch
+
+    b, h, d = query.shape
+    kvh = key.shape[1]
+    qg = query.reshape(b, kvh, h // kvh, d)
+    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, h, d)  # [B, KVH, g, d] -> [B, H, d]
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, slot_cache=None,
+                   **kwargs):
+    """query [B, H, q, d]; key/value [B, KVH, S, d] as returned by SlotKVCache.update. With ``slot_cache``
+    (a mixed pass): one batch of a prompt's tokens followed by one decode token per row."""
     import torch
     import torch.nn.functional as F
 
     b, h, q, d = query.shape
     kvh = key.shape[1]
+    if slot_cache is not None:
+        n, rows, span = slot_cache.mixed_shape
+        # the prompt attends to itself only (causal; its right padding never reaches a real token)
+        prompt = F.scaled_dot_product_attention(query[:, :, :n], key[:, :, :n], value[:, :, :n], is_causal=True,
+                                                scale=scaling, enable_gqa=h != kvh)
+        # each decode row attends over its own slot, which update() has just written its new token into
+        layer = module.layer_idx
+        keys = slot_cache.keys[layer][:rows, :, :span]
+        values = slot_cache.values[layer][:rows, :, :span]
+        decode = _grouped_decode_attention(query[0, :, n:].transpose(0, 1), keys, values, attention_mask, scaling)
+        return torch.cat([prompt.transpose(1, 2), decode.unsqueeze(0)], dim=1), None
     if q > 1:
         # prefill: each prompt attends to itself only (right padding never reaches a real token)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                              enable_gqa=h != kvh)
         return out.transpose(1, 2).contiguous(), None
-    # decode: group the query heads of each KV head so K and V are read once (no repeat_kv copy)
-    g = h // kvh
-    qg = query.reshape(b, kvh, g, d)
-    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, KVH, g, d]
-    return out.reshape(b, 1, h, d), None
+    return _grouped_decode_attention(query.reshape(b, h, d), key, value, attention_mask, scaling).unsqueeze(1), None
 
 
 def register_attention() -> None:
@@ -89,10 +109,32 @@ class SlotKVCache:
         self._mode, self._rows, self._span, self._write_pos = "decode", rows, span, write_pos
         return self
 
+    def for_mixed(self, slot_ids, prompt_len: int, rows: int, span: int, write_pos) -> "SlotKVCache":
+        """One prompt of ``prompt_len`` tokens into ``slot_ids`` and one decode token for each of rows
+        ``0..rows-1``, in one pass (SlotDecoder.mixed)."""
+        self._mode, self._slot_ids, self._prompt_len = "mixed", slot_ids, prompt_len
+        self._rows, self._span, self._write_pos = rows, span, write_pos
+        return self
+
+    @property
+    def mixed_shape(self) -> tuple[int, int, int]:
+        """(prompt tokens, decode rows, span) of the mixed pass being run."""
+        return self._prompt_len, self._rows, self._span
+
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
         import torch
 
         k, v = self.keys[layer_idx], self.values[layer_idx]
+        if self._mode == "mixed":
+            # the decode rows first: the prompt's own slot may be one of them (free: it writes its position 0
+            # harmlessly), and the prompt's write after it must win
+            n, rows = self._prompt_len, self.row_ids[: self._rows]
+            k[rows, :, self._write_pos] = key_states[0, :, n:].transpose(0, 1)
+            v[rows, :, self._write_pos] = value_states[0, :, n:].transpose(0, 1)
+            pos = torch.arange(n, device=k.device)
+            k[self._slot_ids[:, None], :, pos[None, :]] = key_states[:, :, :n].transpose(1, 2)
+            v[self._slot_ids[:, None], :, pos[None, :]] = value_states[:, :, :n].transpose(1, 2)
+            return key_states, value_states
         if self._mode == "prefill":
             # one index_put_ on the whole buffer, not index_copy_ on the view k[:, :, :n]: compiled, a write
             # into a view is functionalized into a copy of the view for every slot, the write, and a copy
@@ -165,7 +207,7 @@ class SlotDecoder:
 
     def __init__(self, model, num_slots: int, max_len: int, dtype, device, use_graphs: bool,
                  batch_sizes: list[int], span_step: int, compile_step: bool = False,
-                 compile_prefill: bool = False, prefill_graph_tokens: int = 0):
+                 compile_prefill: bool = False, prefill_graph_tokens: int = 0, mixed_graph_tokens: int = 0):
         import torch
 
         self.model = model
@@ -212,6 +254,21 @@ class SlotDecoder:
         self.prefill_graph_passes = 0
         # the captured passes are used while this is on (as prefill_compiled, for a live compare)
         self.prefill_graphs = False
+        self._graph_pool = None  # the prefill and mixed graphs' shared memory pool
+        # mixed passes (one prompt of up to this many tokens and a decode step of the running rows, in one
+        # captured pass): rows pad to these counts
+        self.mixed_graph_tokens = mixed_graph_tokens
+        self.mixed_rows = sorted({min(max(r, 2), num_slots) for r in (16, 32, 64)} | {num_slots})
+        self._mixed_compiled = None
+        self.mixed_compile_s = 0.0
+        self.mixed_compile_error: str | None = None
+        self._mixed_runs: dict[tuple[int, int, int], object] = {}  # (prompt, rows, span) -> graph or None
+        self._mixed_out: tuple | None = None  # static outputs: logits [1 + rows, V], decode tokens and logprobs
+        self.mixed_graph_capture_s = 0.0
+        self.mixed_graph_reserved_bytes = 0
+        self.mixed_graph_error: str | None = None
+        self.mixed_graph_passes = 0
+        self.mixed_graphs = False  # used while on (a live compare turns it off)
 
     @property
     def span_step(self) -> int:
@@ -286,6 +343,33 @@ class SlotDecoder:
     def _replay_prefill(self, prompt: list[int], slot: int, pad_id: int, padded: int):
         import torch
 
+        self._stage_prompt(prompt, slot, pad_id, padded)
+        ids, slot_ids, last = self._prefill_in[:3]
+        graph, out = self._prefill_runs[padded]
+        self.prefill_graph_passes += 1
+        if graph is None:  # no CUDA (tests): the same pass on the same padded buffers, run directly
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._prefill_graph_fn()(ids[:padded].view(1, padded), slot_ids, last)
+        graph.replay()
+        return out
+
+    def _alloc_prompt_staging(self) -> None:
+        """The captured passes' prompt inputs (ids, slot, last position) on the device, and their pinned host
+        staging: allocated once, for the longest prompt a buffer holds, as every graph reads these addresses."""
+        import torch
+
+        if self._prefill_in is not None:
+            return
+        top, cuda = self.cache.max_len, self.device.type == "cuda"
+        dev = dict(dtype=torch.long, device=self.device)
+        host = dict(dtype=torch.long, pin_memory=cuda)
+        self._prefill_in = (torch.zeros(top, **dev), torch.zeros(1, **dev), torch.zeros(1, **dev),
+                            torch.zeros(top, **host), torch.zeros(1, **host), torch.zeros(1, **host),
+                            torch.cuda.Event() if cuda else None)
+
+    def _stage_prompt(self, prompt: list[int], slot: int, pad_id: int, padded: int) -> None:
+        import torch
+
         ids, slot_ids, last, host_ids, host_slot, host_last, copied = self._prefill_in
         if copied is not None:
             copied.synchronize()  # the staging buffers are pinned: the last pass's copies must have left them
@@ -299,13 +383,6 @@ class SlotDecoder:
         last.copy_(host_last, non_blocking=True)
         if copied is not None:
             copied.record()
-        graph, out = self._prefill_runs[padded]
-        self.prefill_graph_passes += 1
-        if graph is None:  # no CUDA (tests): the same pass on the same padded buffers, run directly
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._prefill_graph_fn()(ids[:padded].view(1, padded), slot_ids, last)
-        graph.replay()
-        return out
 
     def _prefill_graph_fn(self):
         return self._prefill_compiled if self.has_compiled_prefill else self._prefill_pass
@@ -329,11 +406,7 @@ class SlotDecoder:
             return
         t0 = time.monotonic()
         cuda = self.device.type == "cuda"
-        dev = dict(dtype=torch.long, device=self.device)
-        host = dict(dtype=torch.long, pin_memory=cuda)
-        self._prefill_in = (torch.zeros(top, **dev), torch.zeros(1, **dev), torch.zeros(1, **dev),
-                            torch.zeros(top, **host), torch.zeros(1, **host), torch.zeros(1, **host),
-                            torch.cuda.Event() if cuda else None)
+        self._alloc_prompt_staging()
         ids, slot_ids, last = self._prefill_in[:3]
         fn = self._prefill_graph_fn()
         runs: dict[int, tuple[object, object]] = {}
@@ -342,7 +415,7 @@ class SlotDecoder:
                 runs = {length: (None, None) for length in lengths}
             else:
                 reserved = torch.cuda.memory_reserved(self.device)
-                pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+                pool, stream = self._shared_pool(), torch.cuda.Stream()
                 # longest first, so the shorter graphs reuse the pool's blocks; the warm-up passes write
                 # slot 0's first positions, which no sequence owns yet
                 for length in reversed(lengths):
@@ -361,6 +434,162 @@ class SlotDecoder:
         self.prefill_graph_capture_s = time.monotonic() - t0
         log.info("captured %d one-prompt prefill graphs (up to %d tokens) in %.1fs, %.2f GB", len(runs), top,
                  self.prefill_graph_capture_s, self.prefill_graph_reserved_bytes / 1e9)
+
+    def _shared_pool(self):
+        import torch
+
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
+    # ---- mixed passes --------------------------------------------------------
+    def mixed_key(self, prompt_len: int, busy_rows: int, longest: int) -> tuple[int, int, int] | None:
+        """The captured mixed pass that covers one prompt of ``prompt_len`` tokens with a decode step of
+        rows 0..busy_rows-1 whose longest sequence (after the step) is ``longest``; None if none does."""
+        if not self.mixed_graphs or busy_rows > self.mixed_rows[-1]:
+            return None
+        key = (prefill_graph_padding(prompt_len), bucket(busy_rows, self.mixed_rows), bucket(longest, self.spans))
+        return key if key in self._mixed_runs else None
+
+    def mixed(self, key: tuple[int, int, int], prompt: list[int], slot: int, pad_id: int):
+        """Prefills ``prompt`` into ``slot`` and runs a decode step of rows 0..rows-1 in one captured pass
+        (``key`` from mixed_key). The prompt's slot must be free until then (active 0): its own decode row,
+        if the rows cover it, computes nothing that is kept. Returns (the prompt's last-position logits
+        [1, V], (decode logits [rows, V], greedy tokens [rows], their logprobs [rows])); the greedy tokens
+        are already the rows' next input and their positions moved on, as decode() leaves them. The outputs
+        are shared by every mixed pass: read them before the next one.
+
+        Why: a decode step of 64 rows reads all the weights (~5.9 ms on an H200, 7B) for a little GEMM
+        work, while a 512-token prefill pass is bound by its GEMMs; the decode rows ride in the prefill's
+        GEMMs for ~1/8 more of their work (64 more rows on 512) instead of a pass of their own. Chunked
+        prefill in vLLM and TensorRT-LLM's in-flight batching mix a step the same way."""
+        import torch
+
+        length, rows, _ = key
+        self._stage_prompt(prompt, slot, pad_id, length)
+        ids, slot_ids, last = self._prefill_in[:3]
+        self.mixed_graph_passes += 1
+        graph = self._mixed_runs[key]
+        if graph is None:  # no CUDA (tests): the same pass on the same padded buffers, run directly
+            with torch.compiler.set_stance("fail_on_recompile"):
+                self._mixed_fn()(ids[:length].view(1, length), slot_ids, last, rows, key[2])
+        else:
+            graph.replay()
+        logits, chosen, lp = self._mixed_out
+        return logits[:1], (logits[1: rows + 1], chosen[:rows], lp[:rows])
+
+    def _mixed_fn(self):
+        return self._mixed_compiled if self._mixed_compiled is not None else self._mixed_pass
+
+    def _mixed_pass(self, ids, slot_ids, last, rows: int, span: int):
+        import torch
+
+        n = ids.shape[1]
+        pos = self.positions[:rows]
+        mask = (self.span_ids[:span].unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+        hidden = self.decoder(
+            input_ids=torch.cat([ids, self.tokens[:rows].unsqueeze(0)], dim=1),
+            position_ids=torch.cat([torch.arange(n, device=ids.device), pos]).unsqueeze(0),
+            attention_mask=mask, past_key_values=self.cache.for_mixed(slot_ids, n, rows, span, pos),
+            use_cache=True, slot_cache=self.cache).last_hidden_state
+        logits = self.lm_head(torch.cat([hidden[0, last], hidden[0, n:]]))
+        scores = logits[1:].float()
+        chosen = scores.argmax(dim=-1)
+        logprob = scores.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(scores, dim=-1)
+        self.tokens[:rows].copy_(chosen)
+        self.positions[:rows].add_(self.active[:rows])
+        out_logits, out_chosen, out_lp = self._mixed_out
+        out_logits[: rows + 1].copy_(logits)
+        out_chosen[:rows].copy_(chosen)
+        out_lp[:rows].copy_(logprob)
+
+    def compile_mixed_pass(self) -> None:
+        """torch.compile the mixed pass (dynamic shapes) and run it once, at the most rows and the longest
+        span, so the compile happens before ready; every captured (prompt, rows, span) reuses it."""
+        import torch
+
+        t0 = time.monotonic()
+        for t in self.cache.keys + self.cache.values:
+            torch._dynamo.mark_static(t)
+        compiled = torch.compile(self._mixed_pass, dynamic=True)
+        self._alloc_mixed_out()
+        try:
+            # a prompt length no row count or span equals, so none of them is specialised to another
+            n = 37
+            compiled(torch.ones((1, n), dtype=torch.long, device=self.device),
+                     torch.zeros(1, dtype=torch.long, device=self.device),
+                     torch.full((1,), n - 1, dtype=torch.long, device=self.device), self.mixed_rows[-1], self.spans[-1])
+        except Exception as e:  # noqa: BLE001 - without it, mixed passes are captured uncompiled
+            self.mixed_compile_error = f"{type(e).__name__}: {str(e)[:300]}"
+            log.warning("torch.compile of the mixed pass failed, capturing it uncompiled: %s", self.mixed_compile_error)
+            torch._dynamo.reset()
+        else:
+            self._mixed_compiled = compiled
+        self.positions.zero_()
+        self.mixed_compile_s = time.monotonic() - t0
+        log.info("mixed pass compiled in %.1fs", self.mixed_compile_s)
+
+    def _alloc_mixed_out(self) -> None:
+        import torch
+
+        if self._mixed_out is None:
+            rows = self.mixed_rows[-1]
+            self._mixed_out = (torch.zeros(rows + 1, self.lm_head.out_features, dtype=self.lm_head.weight.dtype,
+                                           device=self.device),
+                               torch.zeros(rows, dtype=torch.long, device=self.device),
+                               torch.zeros(rows, dtype=torch.float32, device=self.device))
+
+    def capture_mixed_graphs(self) -> None:
+        """Captures the mixed pass for every prompt length up to ``mixed_graph_tokens`` (multiples of
+        PREFILL_GRAPH_STEP, as the one-prompt graphs), row count and span. Without CUDA the keys run the
+        pass directly on the same padded buffers, so CPU tests check it. A failed capture leaves separate
+        prefill and decode passes, which is correct."""
+        import torch
+
+        top = min(self.mixed_graph_tokens, self.cache.max_len - 1)
+        lengths = list(range(PREFILL_GRAPH_STEP, top + 1, PREFILL_GRAPH_STEP))
+        if not lengths:
+            return
+        t0 = time.monotonic()
+        self._alloc_mixed_out()
+        self._alloc_prompt_staging()
+        ids, slot_ids, last = self._prefill_in[:3]
+        fn = self._mixed_fn()
+        keys = [(length, rows, span) for length in lengths for rows in self.mixed_rows for span in self.spans]
+        runs: dict[tuple[int, int, int], object] = {}
+        try:
+            if self.device.type != "cuda":
+                runs = dict.fromkeys(keys)
+            else:
+                reserved = torch.cuda.memory_reserved(self.device)
+                pool, stream = self._shared_pool(), torch.cuda.Stream()
+                # largest first, so the smaller graphs reuse the pool's blocks; the warm-up passes write slot
+                # 0's first positions and the rows' position 0, which no sequence owns yet
+                slot_ids.zero_()
+                for length, rows, span in sorted(keys, reverse=True):
+                    last.fill_(length - 1)
+                    args = (ids[:length].view(1, length), slot_ids, last, rows, span)
+                    try:
+                        with torch.compiler.set_stance("fail_on_recompile"):
+                            runs[(length, rows, span)] = capture_graph(lambda a=args: fn(*a), pool, stream)[0]
+                    except RuntimeError as e:
+                        # a key the compile does not cover (dynamo raises before anything runs): that one runs
+                        # as separate passes, the others stay
+                        if "fail_on_recompile" not in str(e):
+                            raise
+                        self.mixed_graph_error = self.mixed_graph_error or f"{(length, rows, span)}: {str(e)[:300]}"
+                torch.cuda.synchronize()
+                self.positions.zero_()
+                self.mixed_graph_reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        except Exception as e:  # noqa: BLE001 - separate passes remain, which is correct
+            self.mixed_graph_error = f"{type(e).__name__}: {str(e)[:300]}"
+            log.warning("capturing the mixed passes failed, prefilling and decoding in separate passes (set "
+                        "mixed_graph_tokens: 0 to skip the attempt): %s", self.mixed_graph_error)
+            runs = {}
+        self._mixed_runs, self.mixed_graphs = runs, bool(runs)
+        self.mixed_graph_capture_s = time.monotonic() - t0
+        log.info("captured %d mixed passes (prompts up to %d tokens, rows %s) in %.1fs, %.2f GB", len(runs), top,
+                 self.mixed_rows, self.mixed_graph_capture_s, self.mixed_graph_reserved_bytes / 1e9)
 
     def _prefill_pass(self, ids, slot_ids, last):
         import torch
@@ -475,6 +704,10 @@ class SlotDecoder:
             torch.cuda.current_stream().wait_stream(stream)
         self._capture_missing()
         self.capture_prefill_graphs()
+        if self.mixed_graph_tokens:
+            if self.compile_prefill:
+                self.compile_mixed_pass()
+            self.capture_mixed_graphs()
         self.capture_s = time.monotonic() - t0
         log.info("captured %d decode graphs (batch %s x span %s) in %.1fs (compile %.1fs)", len(self.graphs),
                  self.batch_sizes, self.spans, self.capture_s, self.compile_s)
