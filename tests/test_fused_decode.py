@@ -250,7 +250,7 @@ def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
         compiled.compile_mixed_pass()
         compiled.capture_mixed_graphs()
         assert compiled.mixed_compile_error is None and compiled.mixed_graphs
-        assert len(compiled._mixed_runs) == 2 * 2 * 4  # lengths 64, 128 x rows 4, 8 x spans 32..128
+        assert len(compiled.mixed_graph_keys) == 2 * 2 * 4  # lengths 64, 128 x rows 4, 8 x spans 32..128
         graphs = counters["stats"]["unique_graphs"]
         running = {0: 7, 1: 12, 2: 3, 4: 20}
         for dec in (eager, compiled):

@@ -378,7 +378,7 @@ class HFEngine(HFTokenization, Engine):
                        prefill_graphs=len(slots.prefill_graph_lengths), prefill_graph_capture_s=slots.prefill_graph_capture_s,
                        prefill_graph_gb=slots.prefill_graph_reserved_bytes / 1e9,
                        prefill_graph_error=slots.prefill_graph_error,
-                       mixed_graphs=len(slots._mixed_runs), mixed_compile_s=slots.mixed_compile_s,
+                       mixed_graphs=len(slots.mixed_graph_keys), mixed_compile_s=slots.mixed_compile_s,
                        mixed_compile_error=slots.mixed_compile_error,
                        mixed_graph_capture_s=slots.mixed_graph_capture_s,
                        mixed_graph_gb=slots.mixed_graph_reserved_bytes / 1e9, mixed_graph_error=slots.mixed_graph_error)
@@ -590,8 +590,6 @@ class HFEngine(HFTokenization, Engine):
     def _launch_fast(self, busy: list[_Seq]):
         """Queue one decode step and its sampling on the GPU; the next step's inputs are
         written on the device, so nothing waits for the host."""
-        import torch
-
         rows, span = self._rows_and_span(busy)
         self._stats.forward_passes += 1
         # greedy, inside the step

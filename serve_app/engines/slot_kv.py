@@ -170,8 +170,8 @@ def prefill_graph_padding(n: int) -> int:
 
 def capture_graph(run, pool, stream):
     """Runs ``run`` twice on ``stream`` (lazy inits and cuBLAS workspaces happen outside the capture), then
-    captures it into a CUDA graph in ``pool``; returns (graph, run's output). ``stream`` first waits for
-    the current stream, so inputs written there before the call are in place."""
+    captures it into a CUDA graph in ``pool`` and replays it once; returns (graph, run's output). ``stream``
+    first waits for the current stream, so inputs written there before the call are in place."""
     import torch
 
     stream.wait_stream(torch.cuda.current_stream())
@@ -182,6 +182,9 @@ def capture_graph(run, pool, stream):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = run()
+    # CUDA uploads a graph to the device on its first launch unless it was uploaded before: pay that here,
+    # not in the first request that needs this shape (a mixed pass's shapes first meet a load mid-run)
+    graph.replay()
     return graph, out
 
 
@@ -443,6 +446,11 @@ class SlotDecoder:
         return self._graph_pool
 
     # ---- mixed passes --------------------------------------------------------
+    @property
+    def mixed_graph_keys(self) -> list[tuple[int, int, int]]:
+        """The (prompt length, rows, span) mixed passes captured (capture_mixed_graphs)."""
+        return sorted(self._mixed_runs)
+
     def mixed_key(self, prompt_len: int, busy_rows: int, longest: int) -> tuple[int, int, int] | None:
         """The captured mixed pass that covers one prompt of ``prompt_len`` tokens with a decode step of
         rows 0..busy_rows-1 whose longest sequence (after the step) is ``longest``; None if none does."""
