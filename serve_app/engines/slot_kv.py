@@ -170,8 +170,9 @@ def prefill_graph_padding(n: int) -> int:
 
 def capture_graph(run, pool, stream):
     """Runs ``run`` twice on ``stream`` (lazy inits and cuBLAS workspaces happen outside the capture), then
-    captures it into a CUDA graph in ``pool`` and replays it once; returns (graph, run's output). ``stream``
-    first waits for the current stream, so inputs written there before the call are in place."""
+    captures it into a CUDA graph in ``pool``; returns (graph, run's output). ``stream`` first waits for
+    the current stream, so inputs written there before the call are in place. (A first replay costs what
+    later ones do: measured on an H200, benchmarks/graph_first_replay.py, so nothing is replayed here.)"""
     import torch
 
     stream.wait_stream(torch.cuda.current_stream())
@@ -182,9 +183,6 @@ def capture_graph(run, pool, stream):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = run()
-    # CUDA uploads a graph to the device on its first launch unless it was uploaded before: pay that here,
-    # not in the first request that needs this shape (a mixed pass's shapes first meet a load mid-run)
-    graph.replay()
     return graph, out
 
 
