@@ -272,9 +272,8 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     span = next(s for s in slots.spans if s >= 640)
     length = prefill_graph_padding(prompt_len)
     out = {}
-    runs = getattr(slots, "_mixed_runs", {})
     for rows in (16, 32, 64):
-        graph = runs.get((length, bucket(rows, slots.mixed_rows), span))
+        graph = slots._mixed_runs.get((length, bucket(rows, slots.mixed_rows), span))
         if graph is not None:
             out[f"mixed_{rows}"] = round(time_replay_ms(graph, reps, warmup=2), 3)
     prefill = slots._prefill_runs.get(length)

@@ -45,7 +45,7 @@ def main() -> None:
 
     from benchmarks.gpu_engine import random_qwen7b
     from serve_app.engines.fused import fuse_projections
-    from serve_app.engines.slot_kv import ATTENTION_NAME, SlotDecoder, register_attention
+    from serve_app.engines.slot_kv import ATTENTION_NAME, SlotDecoder, capture_graph, register_attention
 
     model = random_qwen7b()
     register_attention()
@@ -61,15 +61,7 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     with torch.inference_mode():
         for name, run in passes.items():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                run()
+            graph, _ = capture_graph(run, None, torch.cuda.Stream())  # as the engine captures, own pool
             first = timed_replay_ms(graph)
             later = [timed_replay_ms(graph) for _ in range(5)]
             res[name] = {"first_wall_ms": round(first[0], 2), "first_gpu_ms": round(first[1], 2),

@@ -122,31 +122,36 @@ class SlotKVCache:
         return self._prompt_len, self._rows, self._span
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
-        import torch
-
         k, v = self.keys[layer_idx], self.values[layer_idx]
         if self._mode == "mixed":
             # the decode rows first: the prompt's own slot may be one of them (free: it writes its position 0
             # harmlessly), and the prompt's write after it must win
-            n, rows = self._prompt_len, self.row_ids[: self._rows]
-            k[rows, :, self._write_pos] = key_states[0, :, n:].transpose(0, 1)
-            v[rows, :, self._write_pos] = value_states[0, :, n:].transpose(0, 1)
-            pos = torch.arange(n, device=k.device)
-            k[self._slot_ids[:, None], :, pos[None, :]] = key_states[:, :, :n].transpose(1, 2)
-            v[self._slot_ids[:, None], :, pos[None, :]] = value_states[:, :, :n].transpose(1, 2)
+            n = self._prompt_len
+            self._write_rows(k, v, key_states[0, :, n:].transpose(0, 1), value_states[0, :, n:].transpose(0, 1))
+            self._write_prompts(k, v, key_states[:, :, :n], value_states[:, :, :n])
             return key_states, value_states
         if self._mode == "prefill":
-            # one index_put_ on the whole buffer, not index_copy_ on the view k[:, :, :n]: compiled, a write
-            # into a view is functionalized into a copy of the view for every slot, the write, and a copy
-            # back (~134 MB per layer for K and for V at 64 slots x 512 tokens on the 7B)
-            pos = torch.arange(key_states.shape[2], device=k.device)
-            k[self._slot_ids[:, None], :, pos[None, :]] = key_states.transpose(1, 2)
-            v[self._slot_ids[:, None], :, pos[None, :]] = value_states.transpose(1, 2)
+            self._write_prompts(k, v, key_states, value_states)
             return key_states, value_states
-        rows = self.row_ids[: self._rows]
-        k[rows, :, self._write_pos] = key_states[:, :, 0]
-        v[rows, :, self._write_pos] = value_states[:, :, 0]
+        self._write_rows(k, v, key_states[:, :, 0], value_states[:, :, 0])
         return k[: self._rows, :, : self._span], v[: self._rows, :, : self._span]
+
+    def _write_prompts(self, k, v, key_states, value_states) -> None:
+        """Prompts' keys and values [n, KVH, length, d] into their slots' first positions."""
+        import torch
+
+        # one index_put_ on the whole buffer, not index_copy_ on the view k[:, :, :n]: compiled, a write
+        # into a view is functionalized into a copy of the view for every slot, the write, and a copy
+        # back (~134 MB per layer for K and for V at 64 slots x 512 tokens on the 7B)
+        pos = torch.arange(key_states.shape[2], device=k.device)
+        k[self._slot_ids[:, None], :, pos[None, :]] = key_states.transpose(1, 2)
+        v[self._slot_ids[:, None], :, pos[None, :]] = value_states.transpose(1, 2)
+
+    def _write_rows(self, k, v, key_rows, value_rows) -> None:
+        """One token's keys and values [rows, KVH, d] per row, each at its row's write position."""
+        rows = self.row_ids[: self._rows]
+        k[rows, :, self._write_pos] = key_rows
+        v[rows, :, self._write_pos] = value_rows
 
     # transformers asks a cache these; the slot cache never drives positions itself
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -493,22 +498,26 @@ class SlotDecoder:
 
         n = ids.shape[1]
         pos = self.positions[:rows]
-        mask = (self.span_ids[:span].unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+        mask = self._row_mask(pos, span)
         hidden = self.decoder(
             input_ids=torch.cat([ids, self.tokens[:rows].unsqueeze(0)], dim=1),
             position_ids=torch.cat([torch.arange(n, device=ids.device), pos]).unsqueeze(0),
             attention_mask=mask, past_key_values=self.cache.for_mixed(slot_ids, n, rows, span, pos),
             use_cache=True, slot_cache=self.cache).last_hidden_state
         logits = self.lm_head(torch.cat([hidden[0, last], hidden[0, n:]]))
-        scores = logits[1:].float()
-        chosen = scores.argmax(dim=-1)
-        logprob = scores.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(scores, dim=-1)
-        self.tokens[:rows].copy_(chosen)
-        self.positions[:rows].add_(self.active[:rows])
+        chosen, logprob = self._greedy_next(logits[1:], rows)
         out_logits, out_chosen, out_lp = self._mixed_out
         out_logits[: rows + 1].copy_(logits)
         out_chosen[:rows].copy_(chosen)
         out_lp[:rows].copy_(logprob)
+
+    def _mark_cache_static(self) -> None:
+        import torch
+
+        # the cache buffers never change shape: static, so no prompt length or count gets one symbol with
+        # a buffer dimension of the same size at trace time (duck sizing) and is then pinned to it
+        for t in self.cache.keys + self.cache.values:
+            torch._dynamo.mark_static(t)
 
     def compile_mixed_pass(self) -> None:
         """torch.compile the mixed pass (dynamic shapes) and run it once, at the most rows and the longest
@@ -516,8 +525,7 @@ class SlotDecoder:
         import torch
 
         t0 = time.monotonic()
-        for t in self.cache.keys + self.cache.values:
-            torch._dynamo.mark_static(t)
+        self._mark_cache_static()
         compiled = torch.compile(self._mixed_pass, dynamic=True)
         self._alloc_mixed_out()
         try:
@@ -613,21 +621,30 @@ class SlotDecoder:
         return self.lm_head(hidden[torch.arange(n, device=ids.device), last])
 
     def _step(self, rows: int, span: int):
+        pos = self.positions[:rows]
+        hidden = self.decoder(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=pos.unsqueeze(1),
+                              attention_mask=self._row_mask(pos, span),
+                              past_key_values=self.cache.for_decode(rows, span, pos), use_cache=True).last_hidden_state
+        logits = self.lm_head(hidden[:, -1])
+        chosen, logprob = self._greedy_next(logits, rows)
+        return logits, chosen, logprob
+
+    def _row_mask(self, pos, span: int):
+        """[rows, 1, 1, span]: each decode row attends to its positions up to its own."""
+        return (self.span_ids[:span].unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+
+    def _greedy_next(self, logits, rows: int):
+        """Rows 0..rows-1's greedy tokens and their logprobs; writes the tokens as the rows' next input and
+        moves every active row one position on."""
         import torch
 
-        pos = self.positions[:rows]
-        mask = (self.span_ids[:span].unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
-        hidden = self.decoder(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=pos.unsqueeze(1),
-                              attention_mask=mask, past_key_values=self.cache.for_decode(rows, span, pos),
-                              use_cache=True).last_hidden_state
-        logits = self.lm_head(hidden[:, -1])
         scores = logits.float()
         chosen = scores.argmax(dim=-1)
         logprob = scores.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(scores, dim=-1)
         self.tokens[:rows].copy_(chosen)
         # free rows stay where they are (active 0) and write there harmlessly
         self.positions[:rows].add_(self.active[:rows])
-        return logits, chosen, logprob
+        return chosen, logprob
 
     def decode(self, busy_rows: int, longest: int):
         """One step for rows 0..busy_rows-1 whose longest sequence (after this step) is `longest`.
@@ -679,10 +696,7 @@ class SlotDecoder:
         import torch
 
         t0 = time.monotonic()
-        # the cache buffers never change shape: static, so no prompt length or count gets one symbol with
-        # a buffer dimension of the same size at trace time (duck sizing) and is then pinned to it
-        for t in self.cache.keys + self.cache.values:
-            torch._dynamo.mark_static(t)
+        self._mark_cache_static()
         compiled = torch.compile(self._prefill_pass, dynamic=True)
         try:
             for n, length in warm:  # (prompts, tokens each)
