@@ -26,7 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import _option, build_model_dir, concurrent_load, engine_options  # noqa: E402
-from benchmarks.loadgen import add_engine_process_arg, add_http_proxy_arg, free_port  # noqa: E402
+from benchmarks.loadgen import (  # noqa: E402
+    add_engine_process_arg,
+    add_http_proxy_arg,
+    add_ingress_arg,
+    free_port,
+    ingress_server_keys,
+)
 
 ADMIN_TOKEN = "gpu-stack-bench"
 
@@ -146,9 +152,11 @@ def first_token_breakdown(trace_file: Path, window_ns: list[int]) -> dict:
             **{f"{leg}_p95_ms": percentile(xs, 95) for leg, xs in legs.items()}}
 
 
-def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "inline") -> dict:
+def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "inline",
+              ingress: str = "separate") -> dict:
     """Start Ray with `proxy` as Serve's HTTP data path, deploy (the engine in the replica's process or
-    in its own, `engine_process`), drive the loads, stop Ray."""
+    in its own, `engine_process`; an Ingress deployment in front or the replica serving HTTP itself,
+    `ingress`), drive the loads, stop Ray."""
     from cluster.launcher import select_http_proxy
 
     select_http_proxy(proxy)  # before Ray starts: Serve's controller reads it once
@@ -160,8 +168,9 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     from serve_app.config import parse_config
 
     res: dict = {"http_proxy": proxy, "engine_process": engine_process, "stream_interval_ms": args.stream_interval_ms,
-                 "ingress_replicas": args.ingress_replicas, "engine_options_set": dict(args.set)}
-    trace_file = Path(args.work) / f"traces-{proxy}-{engine_process}.jsonl"
+                 "ingress": ingress, "ingress_replicas": 0 if ingress == "direct" else args.ingress_replicas,
+                 "engine_options_set": dict(args.set)}
+    trace_file = Path(args.work) / f"traces-{proxy}-{engine_process}-{ingress}.jsonl"
     trace_file.unlink(missing_ok=True)
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
     http_port, grpc_port = free_port(), free_port()
@@ -172,7 +181,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
             "max_ongoing_requests": 1024,
         }]}],
         "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
-                   "ingress_max_ongoing_requests": 4096, "ingress_replicas": args.ingress_replicas,
+                   "ingress_max_ongoing_requests": 4096, **ingress_server_keys(ingress, args.ingress_replicas),
                    "stream_interval_ms": args.stream_interval_ms},
         "rollout": {"enabled": False},
         **({"tracing": {"exporter": "file", "file_path": str(trace_file)}}
@@ -190,7 +199,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     def checkpoint(part: dict) -> None:
         # a call cut short by its time limit still leaves the deploy and the loads done (gpu_engine.py saves so
         # too): on 2026-12-04 a cold deploy that compiled for 7 minutes left nothing
-        partial = Path(args.out) / f"gpu_stack_partial_{proxy}_{engine_process}.json"
+        partial = Path(args.out) / f"gpu_stack_partial_{proxy}_{engine_process}_{ingress}.json"
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({**res, **part, "partial": True}, indent=2))
 
@@ -218,9 +227,11 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
 
 
 def print_report(res: dict, alone: dict | None, args) -> None:
+    front = ("no Ingress: the LLMServer replica serves HTTP (direct streaming)" if res.get("ingress") == "direct"
+             else f"{res['ingress_replicas']} ingress replicas")
     print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, engine "
           f"{'in its own process' if res['engine_process_resolved'] == 'separate' else 'in the replica process'}, streaming; "
-          f"{args.ingress_replicas} ingress replicas, stream_interval_ms {args.stream_interval_ms:g}); "
+          f"{front}, stream_interval_ms {args.stream_interval_ms:g}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
     for key, _, _, at in loads(args):
@@ -299,6 +310,7 @@ def main() -> None:
     add_engine_process_arg(p, "engine.process: the engine in the replica's process, in a child process of its "
                               "own, what 'auto' picks (the child on a GPU), or several one after the other "
                               "(each with every --http-proxy)", default="auto")
+    add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
     p.add_argument("--steady-rounds", type=int, default=0,
                    help="requests per stream of a longer 64-concurrent load after the others (0: none), "
                         "against gpu_engine.py's of the same name")
@@ -319,7 +331,7 @@ def main() -> None:
         for f in args.report:
             res = json.loads(Path(f).read_text())
             # the header's settings are the run's own
-            args.ingress_replicas, args.stream_interval_ms = res["ingress_replicas"], res["stream_interval_ms"]
+            args.stream_interval_ms = res["stream_interval_ms"]
             print_report(res, alone, args)
         return
     os.environ["SEEKSERVE_ADMIN_TOKEN"] = ADMIN_TOKEN  # Ray workers inherit the driver's environment
@@ -346,13 +358,15 @@ def main() -> None:
     results = []
     for proxy in args.http_proxy:
         for engine_process in args.engine_process:
-            res = run_stack(args, proxy, opts, gpus, engine_process)
-            res["build_model_s"] = build_s
-            # the Python proxy's inline file keeps the name earlier runs used
-            name = (f"gpu_stack{tag}{'' if proxy == 'python' else '_' + proxy}"
-                    f"{'' if engine_process == 'inline' else '_' + engine_process}.json")
-            (out / name).write_text(json.dumps(res, indent=2))
-            results.append(res)
+            for ingress in args.ingress:
+                res = run_stack(args, proxy, opts, gpus, engine_process, ingress)
+                res["build_model_s"] = build_s
+                # the Python proxy's inline file with an Ingress keeps the name earlier runs used
+                name = (f"gpu_stack{tag}{'' if proxy == 'python' else '_' + proxy}"
+                        f"{'' if engine_process == 'inline' else '_' + engine_process}"
+                        f"{'' if ingress == 'separate' else '_' + ingress}.json")
+                (out / name).write_text(json.dumps(res, indent=2))
+                results.append(res)
     for res in results:
         print_report(res, alone, args)
 

@@ -1,13 +1,14 @@
 """One request at a time through the full stack: time to the first SSE chunk, request by request.
 
     python benchmarks/idle_ttft.py [--requests 60] [--ingress-replicas 4] [--stream-interval-ms 50]
-                                   [--http-proxy python|haproxy] [--out FILE]
+                                   [--http-proxy python|haproxy] [--ingress separate|direct] [--out FILE]
 
 The null engine (128 tokens at 200 tok/s, a 512-token prompt of ids) behind the
 app as deployed, the client on loopback. Prints every request's time in order
 (a slow first request per ingress replica shows as early outliers), the
 median, and the median through a Serve handle straight to the LLM server (no
-HTTP proxy, no ingress); writes JSON.
+HTTP proxy, no ingress); writes JSON. With --ingress direct the LLM server
+replica serves HTTP itself (server.direct_streaming).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import add_http_proxy_arg, free_port, save_json  # noqa: E402
+from benchmarks.loadgen import add_http_proxy_arg, add_ingress_arg, free_port, ingress_server_keys, save_json  # noqa: E402
 
 PROMPT = list(range(1000, 1512))
 
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("--ingress-replicas", type=int, default=4)
     p.add_argument("--stream-interval-ms", type=float, default=50.0)
     add_http_proxy_arg(p)
+    add_ingress_arg(p)
     p.add_argument("--out", default=str(ROOT / "results" / "idle_ttft.json"))
     args = p.parse_args()
     from cluster.launcher import select_http_proxy
@@ -70,21 +72,25 @@ def main() -> None:
                                                    "engine": {"backend": "null", "options": {
                                                        "num_tokens": 128, "tokens_per_s": 200, "max_model_len": 4096}}}]}],
         "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
-                   "ingress_replicas": args.ingress_replicas, "stream_interval_ms": args.stream_interval_ms},
+                   **ingress_server_keys(args.ingress, args.ingress_replicas),
+                   "stream_interval_ms": args.stream_interval_ms},
         "rollout": {"enabled": False},
     }))
     times = asyncio.run(first_chunk_ms(f"http://127.0.0.1:{http_port}", args.requests))
     handle_ms = asyncio.run(handle_first_token_ms(PROMPT, 128))
     ray.shutdown()
-    res = {"http_proxy": args.http_proxy, "ingress_replicas": args.ingress_replicas,
+    if args.ingress == "direct":
+        args.ingress_replicas = 0  # no Ingress deployment
+    res = {"http_proxy": args.http_proxy, "ingress": args.ingress, "ingress_replicas": args.ingress_replicas,
            "stream_interval_ms": args.stream_interval_ms, "first_chunk_ms": [round(t, 1) for t in times],
            "median_ms": statistics.median(times), "median_after_10_ms": statistics.median(times[10:]),
            "max_of_first_10_ms": max(times[:10]), "max_after_10_ms": max(times[10:]),
            "handle_median_ms": handle_ms}
     save_json(args.out, res)
     print(json.dumps(res["first_chunk_ms"]))
-    print(f"{'HTTP proxy':<12}{'ingress':>8}{'median':>9}{'max of first 10':>17}{'max after':>11}{'handle':>9}  (ms)")
-    print(f"{args.http_proxy:<12}{args.ingress_replicas:>8}{res['median_ms']:>9.1f}{res['max_of_first_10_ms']:>17.1f}"
+    print(f"{'HTTP proxy':<12}{'ingress':>9}{'median':>9}{'max of first 10':>17}{'max after':>11}{'handle':>9}  (ms)")
+    ingress = "direct" if args.ingress == "direct" else f"{args.ingress_replicas} repl"
+    print(f"{args.http_proxy:<12}{ingress:>9}{res['median_ms']:>9.1f}{res['max_of_first_10_ms']:>17.1f}"
           f"{res['max_after_10_ms']:>11.1f}{handle_ms:>9.1f}")
 
 

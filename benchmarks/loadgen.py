@@ -26,6 +26,23 @@ def add_http_proxy_arg(p, many: bool = False) -> None:
                        help="Ray Serve's HTTP data path: its Python proxy actor or HAProxy (set before Ray starts)")
 
 
+INGRESS_MODES = ("separate", "direct")
+
+
+def add_ingress_arg(p, many: bool = False) -> None:
+    """--ingress: an Ingress deployment in front of the LLMServer, or the LLMServer serving the API itself
+    (server.direct_streaming); with many, several one after the other."""
+    p.add_argument("--ingress", choices=INGRESS_MODES, nargs="+" if many else None,
+                   default=["separate"] if many else "separate",
+                   help="'separate': an Ingress deployment in front of the LLMServer (--ingress-replicas of it); "
+                        "'direct': server.direct_streaming, the LLMServer replica serves the API itself")
+
+
+def ingress_server_keys(ingress: str, ingress_replicas: int) -> dict:
+    """The `server` keys of a benchmark config for one --ingress choice."""
+    return {"direct_streaming": True} if ingress == "direct" else {"ingress_replicas": ingress_replicas}
+
+
 def add_engine_process_arg(p, help_text: str, default: str = "inline") -> None:
     """--engine-process: engine.process values to run, in the order given."""
     from serve_app.engines.options import ENGINE_PROCESSES

@@ -1,7 +1,7 @@
 """Many paced streams through the full stack: does the serving path keep up?
 
     python benchmarks/stream_pacing.py [--streams 32] [--tokens-per-s 50] [--intervals-ms 0 20 50]
-        [--engine-process inline separate]
+        [--engine-process inline separate] [--ingress separate direct]
 
 The null engine emits each stream's tokens at a fixed rate (like a GPU decoding
 a batch); the load generator holds `--streams` streams open over HTTP. For each
@@ -24,7 +24,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.loadgen import (  # noqa: E402
     add_engine_process_arg,
     add_http_proxy_arg,
+    add_ingress_arg,
     free_port,
+    ingress_server_keys,
     print_table,
     run_load,
     save_json,
@@ -41,7 +43,7 @@ def replica_cpu_s() -> dict[str, float]:
         if "-m serve_app.engines.process" in cmd:  # engine.process "separate": the engine's own process
             t = p.cpu_times()
             out["EngineProcess"] = out.get("EngineProcess", 0.0) + t.user + t.system
-        for name in ("LLMServer", "Ingress"):
+        for name in ("LLMServer", "Ingress"):  # with --ingress direct, LLMServer is both
             if cmd.startswith("ray::ServeReplica:pacing:" + name):
                 t = p.cpu_times()
                 out[name] = out.get(name, 0.0) + t.user + t.system
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--intervals-ms", type=float, nargs="+", default=[0.0, 20.0, 50.0])
     add_http_proxy_arg(p)
     add_engine_process_arg(p, "engine.process for each interval, in this order (e.g. inline separate inline separate)")
+    add_ingress_arg(p, many=True)
     p.add_argument("--out", default=str(ROOT / "results" / "stream_pacing.json"))
     args = p.parse_args()
     from cluster.launcher import select_http_proxy
@@ -74,12 +77,13 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
     rows = []
-    for interval, engine_process in ((i, e) for i in args.intervals_ms for e in args.engine_process):
+    for interval, engine_process, ingress in ((i, e, g) for i in args.intervals_ms for e in args.engine_process
+                                              for g in args.ingress):
         cfg = parse_config({
             "models": [{"name": "null", "variants": [{"name": "stable", "max_ongoing_requests": 1024, "engine": {
                 "backend": "null", "process": engine_process,
                 "options": {"num_tokens": args.tokens, "tokens_per_s": args.tokens_per_s, "max_num_seqs": 1024}}}]}],
-            "server": {"stream_interval_ms": interval},
+            "server": {"stream_interval_ms": interval, **ingress_server_keys(ingress, 1)},
             "rollout": {"enabled": False},
         })
         serve.run(build_app(cfg), name="pacing", route_prefix="/")
@@ -95,7 +99,8 @@ def main() -> None:
         per_1k = {f"{k}_cpu_ms_per_1k_tok": 1e6 * (cpu1[k] - cpu0.get(k, 0.0)) / max(1, r.output_tokens)
                   for k in cpu1}
         offered = args.streams * args.tokens_per_s
-        rows.append({"http_proxy": args.http_proxy, "engine_process": engine_process, "stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
+        rows.append({"http_proxy": args.http_proxy, "ingress": ingress, "engine_process": engine_process,
+                     "stream_interval_ms": interval, "streams": args.streams, "offered_tok_s": offered,
                      "delivered_tok_s": s["output_tok_s"], "delivered_pct": 100 * s["output_tok_s"] / offered,
                      "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p95_ms": s["ttft_p95_ms"], "errors": s["errors"],
                      **per_1k})
@@ -104,7 +109,7 @@ def main() -> None:
     ray.shutdown()
     save_json(args.out, rows)
     print()
-    print_table(rows, ["http_proxy", "engine_process", "stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
+    print_table(rows, ["http_proxy", "ingress", "engine_process", "stream_interval_ms", "streams", "offered_tok_s", "delivered_tok_s", "delivered_pct",
                        "ttft_p50_ms", "ttft_p95_ms", "errors", "LLMServer_cpu_ms_per_1k_tok",
                        "Ingress_cpu_ms_per_1k_tok", "EngineProcess_cpu_ms_per_1k_tok"])
 

@@ -9,6 +9,7 @@ from autoscale.ray_policy import QueueGpuAutoscalingPolicy
 from cluster.placement import bundles, check_capacity, cluster_node_gpus
 
 from serve_app.config import AppConfig, VariantConfig
+from serve_app.deployments.direct import DirectServer
 from serve_app.deployments.ingress import Ingress
 from serve_app.deployments.llm_server import LLMServer
 
@@ -37,21 +38,18 @@ def autoscaling_config(v: VariantConfig) -> AutoscalingConfig | None:
     )
 
 
-def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, tracing: dict,
-                    stream_interval_ms: float = 0.0):
-    max_ongoing = v.effective_max_ongoing_requests()
+def _llm_options(model: str, v: VariantConfig, max_ongoing: int, max_queued: int) -> dict:
+    """Serve options of the deployment that hosts a variant's engine: replicas, placement, resources."""
     scaling = autoscaling_config(v)
     replicas = {"autoscaling_config": scaling} if scaling else {"num_replicas": v.num_replicas}
-    a = v.autoscaling
     pg = bundles(v)
     placement = {"placement_group_bundles": pg, "placement_group_strategy": "STRICT_PACK"} if pg else {}
-    return serve.deployment(LLMServer).options(
+    return dict(
         name=llm_deployment_name(model, v.name),
         **replicas,
         **placement,
         max_ongoing_requests=max_ongoing,
-        # bound the callers' queues too: past this Serve raises BackPressureError -> 429
-        max_queued_requests=max_ongoing,
+        max_queued_requests=max_queued,
         ray_actor_options={
             "num_cpus": v.resources.num_cpus,
             # with TP the GPUs belong to the rank workers; a TP=1 replica holds its bundle's GPU itself
@@ -60,12 +58,18 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, traci
         health_check_period_s=10,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=60,
-    ).bind(
-        model,
-        v.name,
-        v.engine.backend,
-        v.engine.options,
-        max_tokens_default,
+    )
+
+
+def _llm_server_kwargs(model: str, v: VariantConfig, config: AppConfig) -> dict:
+    """LLMServer's constructor arguments for one variant."""
+    a = v.autoscaling
+    return dict(
+        model_name=model,
+        variant=v.name,
+        backend=v.engine.backend,
+        engine_options=v.engine.options,
+        max_tokens_default=config.limits.max_tokens_default,
         gpu_source=a.gpu_source if a else "nvml",
         gpu_sample_interval_s=a.gpu_sample_interval_s if a else 1.0,
         tensor_parallel_size=v.tensor_parallel_size,
@@ -73,19 +77,34 @@ def _llm_deployment(model: str, v: VariantConfig, max_tokens_default: int, traci
         nccl=v.nccl.model_dump(),
         lora_adapter=v.lora_adapter,
         sampling=v.sampling.model_dump() if v.sampling else None,
-        tracing=tracing,
-        stream_interval_s=stream_interval_ms / 1000.0,
+        tracing=config.tracing.model_dump(),
+        stream_interval_s=config.server.stream_interval_ms / 1000.0,
         engine_process=v.engine.process,
     )
 
 
+def _direct_app(config: AppConfig):
+    """``server.direct_streaming``: one deployment, the variant's replicas serving the API themselves. Its
+    Serve-level bound is the front's (the proxy balances on it); the variant's own bound is applied inside,
+    where it can still answer an OpenAI-shaped 429."""
+    m = config.models[0]
+    v = m.variants[0]
+    limit = config.server.ingress_max_ongoing_requests
+    return serve.deployment(DirectServer).options(**_llm_options(m.name, v, limit, limit)).bind(
+        config.model_dump(), _llm_server_kwargs(m.name, v, config))
+
+
 def build_app(config: AppConfig):
+    if config.server.direct_streaming:
+        return _direct_app(config)
     handles: dict[str, dict] = {}
     for m in config.models:
         for v in m.variants:
-            handles.setdefault(m.name, {})[v.name] = _llm_deployment(
-                m.name, v, config.limits.max_tokens_default, config.tracing.model_dump(),
-                config.server.stream_interval_ms)
+            max_ongoing = v.effective_max_ongoing_requests()
+            # bound the callers' queues too: past this Serve raises BackPressureError -> 429
+            options = _llm_options(m.name, v, max_ongoing, max_queued=max_ongoing)
+            handles.setdefault(m.name, {})[v.name] = serve.deployment(LLMServer).options(**options).bind(
+                **_llm_server_kwargs(m.name, v, config))
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=config.server.ingress_replicas,

@@ -304,7 +304,8 @@ class ServerConfig(StrictModel):
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
     ingress_max_ongoing_requests: int = Field(
-        2048, ge=1, description="Concurrency cap of each ingress replica."
+        2048, ge=1, description="Concurrency cap of each ingress replica (with direct_streaming, Serve's cap of "
+        "each LLMServer replica; the variant's own max_ongoing_requests still answers 429 past its bound)."
     )
     ingress_replicas: int = Field(1, ge=1, le=64, description="Ingress replicas.")
     stream_interval_ms: float = Field(
@@ -312,6 +313,15 @@ class ServerConfig(StrictModel):
         description="Streaming pace: after the first chunk, a stream's tokens are sent at most once per "
         "this interval, merged (vLLM's stream_interval). 0 sends every token as soon as the "
         "transport is free. 20-50 keeps many fast GPU streams from saturating the serving processes.",
+    )
+    direct_streaming: bool = Field(
+        False,
+        description="The model's LLMServer replicas serve the HTTP and gRPC APIs themselves, with no "
+        "Ingress deployment in front (Ray Serve LLM's direct streaming): one Ray hop fewer each way for "
+        "every request and every streamed message. Needs exactly one model with one variant and "
+        "rollouts off (there is no split to route); the replicas' count is the variant's. Pair it with "
+        "the HAProxy data path (`seekserve serve --http-proxy haproxy`) to take Serve's Python proxy "
+        "out of the path as well.",
     )
 
     @model_validator(mode="after")
@@ -388,13 +398,42 @@ class AppConfig(StrictModel):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"duplicate model names: {sorted(dup)}")
-        n, a = self.server.ingress_replicas, self.auth
+        if self.server.direct_streaming:
+            self._check_direct_streaming()
+        n, a = self.ingress_replica_count(), self.auth
         if a.mode == "api_keys" and n > 1 and (a.burst < n or a.max_concurrent_per_key < n):
             raise ValueError(
                 f"auth: each of the {n} ingress replicas enforces 1/{n} of the per-key limits, so burst "
                 f"({a.burst}) and max_concurrent_per_key ({a.max_concurrent_per_key}) must be at least {n}"
             )
         return self
+
+    def _check_direct_streaming(self) -> None:
+        variants = [(m.name, v) for m in self.models for v in m.variants]
+        if len(variants) != 1:
+            raise ValueError(
+                f"server.direct_streaming serves exactly one model with one variant, and this config has "
+                f"{len(variants)} variants over {len(self.models)} models; set server.direct_streaming: false "
+                "to route between them")
+        if self.rollout.enabled:
+            raise ValueError("server.direct_streaming has a single variant and nothing to roll out: "
+                             "set rollout.enabled: false")
+        if self.server.ingress_replicas != 1:
+            raise ValueError(f"server.ingress_replicas is {self.server.ingress_replicas}, but there is no Ingress "
+                             "deployment with server.direct_streaming: the variant's replicas (num_replicas or "
+                             "autoscaling) serve the API")
+        model, v = variants[0]
+        if self.auth.mode == "api_keys" and v.autoscaling is not None:
+            raise ValueError(
+                f"auth: each replica enforces its share of the per-key limits, which needs a fixed count; "
+                f"model {model!r} autoscales, so use server.direct_streaming: false (a fixed Ingress) or "
+                "a fixed num_replicas")
+
+    def ingress_replica_count(self) -> int:
+        """Replicas that serve the API: the Ingress deployment's, or with direct streaming the variant's."""
+        if self.server.direct_streaming:
+            return self.models[0].variants[0].num_replicas
+        return self.server.ingress_replicas
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)

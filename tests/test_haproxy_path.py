@@ -20,11 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
+direct = sys.argv[2] == "direct"
 from cluster.launcher import select_http_proxy
 from serve_app.app import deploy
 
 select_http_proxy("haproxy")  # before Ray starts, as `seekserve serve --http-proxy haproxy` does
 import httpx, openai, psutil, ray
+from ray import serve
 from benchmarks.loadgen import free_port
 from serve_app.config import parse_config
 
@@ -33,9 +35,11 @@ http_port, grpc_port = free_port(), free_port()
 deploy(parse_config({
     "models": [{"name": "m", "variants": [{"name": "stable", "weight": 100, "engine": {
         "backend": "null", "options": {"num_tokens": 5, "tokens_per_s": 0}}}]}],
-    "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port, "ingress_replicas": 2},
+    "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
+               **({"direct_streaming": True} if direct else {"ingress_replicas": 2})},
     "rollout": {"enabled": False},
 }))
+deployments = sorted(serve.status().applications["seekserve"].deployments)
 base = f"http://127.0.0.1:{http_port}"
 client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
 chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
@@ -45,15 +49,19 @@ bad = httpx.post(base + "/v1/chat/completions", json={"model": "m", "messages": 
 listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
 owner = psutil.Process(listening[http_port]).name() if listening.get(http_port) else None
 print("RESULT " + json.dumps({"streamed": streamed, "whole": whole.choices[0].message.content,
-                              "bad_status": bad.status_code, "bad_body": bad.json(), "port_owner": owner}))
+                              "bad_status": bad.status_code, "bad_body": bad.json(), "port_owner": owner,
+                              "deployments": deployments}))
 ray.shutdown()
 """
 
 
-def test_the_app_serves_through_ray_serve_haproxy():
+@pytest.mark.parametrize("ingress", ["separate", "direct"])
+def test_the_app_serves_through_ray_serve_haproxy(ingress):
+    """With an Ingress deployment, and with direct streaming, where HAProxy hands each connection to the
+    LLMServer replica itself."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT)], capture_output=True, text=True, env=env,
-                         timeout=240, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT), ingress], capture_output=True, text=True,
+                         env=env, timeout=240, cwd=ROOT)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads(line[len("RESULT "):])
@@ -61,6 +69,7 @@ def test_the_app_serves_through_ray_serve_haproxy():
     assert r["port_owner"] is not None and "haproxy" in r["port_owner"].lower()
     assert r["streamed"] == r["whole"] == " tok" * 5
     assert r["bad_status"] == 400 and r["bad_body"]["error"]["param"] == "temperature"
+    assert r["deployments"] == (["LLMServer-m-stable"] if ingress == "direct" else ["Ingress", "LLMServer-m-stable"])
 
 
 def test_the_switch_names_its_choices():

@@ -109,7 +109,7 @@ class Ingress(GrpcFront):
         self._admin_token = os.environ.get(self.config.admin.token_env) or None
         self.keys = None
         if self.config.auth.mode == "api_keys":
-            self.keys = KeyStore.from_settings(self.config.auth, replicas=self.config.server.ingress_replicas)
+            self.keys = KeyStore.from_settings(self.config.auth, replicas=self.config.ingress_replica_count())
             if not self.keys.keys:
                 # refuse to start open when keys are required but none are configured
                 raise RuntimeError("auth.mode is 'api_keys' but no API key is configured")

@@ -86,6 +86,14 @@ class LLMServer:
         self._gc = gcpause.pauses()
         log.info("LLMServer %s/%s ready (backend %s)", model_name, variant, backend)
 
+    @classmethod
+    async def create(cls, *args, **kwargs) -> "LLMServer":
+        """Build one outside Serve's replica constructor (its ``__init__`` is a coroutine, which a plain
+        call cannot await): the direct-streaming deployment hosts one in its own process."""
+        server = cls.__new__(cls)
+        await server.__init__(*args, **kwargs)
+        return server
+
     def _to_generation_request(self, req: InferenceRequest) -> GenerationRequest:
         eng = self.engine
         if req.prompt_token_ids is not None:
