@@ -33,6 +33,7 @@ class GcPauses:
         self.total_ms = [0.0, 0.0, 0.0]
         self.max_ms = [0.0, 0.0, 0.0]
         self._frozen = 0
+        self._frozen_at = -1  # full collections counted when _frozen was
 
     def callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -58,11 +59,13 @@ class GcPauses:
     def _frozen_objects(self) -> int:
         # gc.get_freeze_count() walks the whole frozen list with the GIL held: for the 7B engine's
         # ~0.8M objects ~75 ms, and the engine process sent a snapshot every 50 ms, which took its
-        # decode step from 4.75 to 79 ms on the H200 (docs/gpu_notes.md run 41). A serving process
-        # freezes once, at start (Ray Serve after a replica's constructor, the engine process after
-        # its engine starts), so the first count that finds anything frozen is kept.
-        if not self._frozen:
+        # decode step from 4.75 to 79 ms on the H200 (docs/gpu_notes.md run 41). So it is counted again
+        # only after a full collection: a process freezes once, at start, right after one (Ray Serve's
+        # collect after a replica's constructor; the engine process's own). A count taken before that
+        # freeze (a direct-streaming replica reads its stats while it starts) is thus not kept.
+        if self._frozen_at != self.count[2]:
             self._frozen = gc.get_freeze_count()
+            self._frozen_at = self.count[2]
         return self._frozen
 
 
