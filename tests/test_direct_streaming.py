@@ -125,6 +125,32 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_frees_its_place(sl
     assert [r.status_code for r in asyncio.run(two())] == [200, 200]
 
 
+def test_a_stream_cancelled_between_messages_closes_its_generator_at_once():
+    """The consumer that stops while the generator waits at a yield (no ``__anext__`` under way to
+    cancel) must still end it now, so the engine's request is aborted then and not at collection."""
+    from serve_app.deployments.direct import _LocalStream
+
+    closed = []
+
+    async def messages():
+        try:
+            for i in range(100):
+                yield i
+        finally:
+            closed.append(True)
+
+    async def consume():
+        gen = _LocalStream(messages())
+        assert await gen.__anext__() == 0
+        gen.cancel()
+        await asyncio.sleep(0)  # one turn of the loop, and the close has run
+        # checked here: once asyncio.run returns it has closed every generator left open anyway
+        assert closed == [True]
+        gen.cancel()  # a second cancel, of a closed generator, is harmless
+
+    asyncio.run(consume())
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: c["models"][0]["variants"].append(
         {"name": "canary", "weight": 0, "engine": {"backend": "null"}}), "exactly one model with one variant"),
