@@ -62,6 +62,25 @@ def test_pacing_starts_at_the_first_visible_item_not_at_a_textless_first_token()
     assert len(out) <= 4  # after "Hel" the rest is paced and merged
 
 
+def test_the_end_of_the_stream_is_not_held_to_the_interval():
+    """The last tokens and the finish go out when the source ends, not when the pacing interval is up:
+    a closed-loop client would otherwise send its next request up to an interval later."""
+    async def source():
+        for i in range(4):
+            yield [i]
+            await asyncio.sleep(0.005)
+
+    async def main():
+        t0 = time.monotonic()
+        out = await _collect(coalesced(source(), _merge, min_interval_s=0.5))
+        return t0, out
+
+    t0, out = asyncio.run(main())
+    assert [x for _, b in out for x in b] == [0, 1, 2, 3]
+    assert out[-1][0] - t0 < 0.2, [(round(t - t0, 3), b) for t, b in out]
+    assert len(out) == 2  # the first token alone, the rest merged: still paced while the source ran
+
+
 def test_textless_items_after_the_first_text_are_still_paced():
     async def source():
         for i in range(40):
