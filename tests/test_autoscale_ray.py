@@ -73,25 +73,32 @@ class Load:
 
 
 @pytest.mark.slow
-def test_scales_up_under_load_and_back_down(serve_session):
-    deploy_app(scaling_config("busy", "fake:90:5"), name="scale-busy", route_prefix="/busy")
-    url = serve_session["base"] + "/busy/v1/chat/completions"
-    assert running_replicas("scale-busy", "busy") == 1
+@pytest.mark.parametrize("direct", [False, True], ids=["ingress", "direct-streaming"])
+def test_scales_up_under_load_and_back_down(serve_session, direct):
+    """With direct streaming the replicas that scale are the ones serving HTTP, which Serve's proxy
+    balances over: none of the load's requests may fail while they come and go."""
+    app, prefix = ("scale-busy-direct", "/busydirect") if direct else ("scale-busy", "/busy")
+    cfg = scaling_config("busy", "fake:90:5")
+    if direct:
+        cfg.update(server={"direct_streaming": True}, rollout={"enabled": False})
+    deploy_app(cfg, name=app, route_prefix=prefix)
+    url = serve_session["base"] + prefix + "/v1/chat/completions"
+    assert running_replicas(app, "busy") == 1
     with Load(url, "busy", concurrency=24) as load:
-        wait_for(lambda: running_replicas("scale-busy", "busy") >= 2, timeout_s=45)
-        decision = read_decision("scale-busy", llm_deployment_name("busy", "stable"))
+        wait_for(lambda: running_replicas(app, "busy") >= 2, timeout_s=45)
+        decision = read_decision(app, llm_deployment_name("busy", "stable"))
     assert decision is not None and decision["desired_replicas"] >= 2
     shown = subprocess.run(
-        [sys.executable, "-m", "serve_app.cli", "status", "--app", "scale-busy", "--url", ""],
+        [sys.executable, "-m", "serve_app.cli", "status", "--app", app, "--url", ""],
         capture_output=True, text=True, timeout=120,
     )
     assert shown.returncode == 0, shown.stderr
     assert "LLMServer-busy-stable" in shown.stdout and "autoscaler:" in shown.stdout, shown.stdout
     assert set(load.codes) == {200}, set(load.codes)  # scaling dropped nothing
-    wait_for(lambda: running_replicas("scale-busy", "busy") == 1, timeout_s=60)
-    last = read_decision("scale-busy", llm_deployment_name("busy", "stable"))
+    wait_for(lambda: running_replicas(app, "busy") == 1, timeout_s=60)
+    last = read_decision(app, llm_deployment_name("busy", "stable"))
     assert last["kind"] in ("at_min", "scale_down", "stabilizing_down")
-    serve.delete("scale-busy")
+    serve.delete(app)
 
 
 @pytest.mark.slow
