@@ -125,5 +125,7 @@ class DirectServer(Ingress):
         return self.server.record_autoscaling_stats()
 
     async def __del__(self):
-        await self.server.__del__()
+        server = getattr(self, "server", None)  # absent when the engine failed to start
+        if server is not None:
+            await server.__del__()
         await super().__del__()
