@@ -15,8 +15,8 @@ Pacing from a textless first token would hold the first visible text back by
 a whole interval (the test shows it with a 0.5 s interval). Nor does the end
 wait: when the source ends during a pacing wait, what it made goes out at
 once, so the last token and the finish are not held up to an interval (a
-closed-loop client would send its next request that much later, jittered). On a GPU each of
-64 streams makes ~100 tokens/s; one message per token through replica ->
+closed-loop client would send its next request that much later, jittered).
+On a GPU each of 64 streams makes ~100 tokens/s; one message per token through replica ->
 ingress -> proxy costs more CPU than the serving processes have (measured:
 the stack delivered 43 % of the engine's tokens at 64 streams without it;
 docs/benchmarks.md).
