@@ -272,10 +272,24 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     span = next(s for s in slots.spans if s >= 640)
     length = prefill_graph_padding(prompt_len)
     out = {}
+    if slots._prefill_in is not None:
+        import torch
+
+        with torch.inference_mode():
+            slots._prefill_in[3].zero_()  # a chunk's start, left by the last pass served: from position 0 it fits
     for rows in (16, 32, 64):
         graph = slots._mixed_runs.get((length, bucket(rows, slots.mixed_rows), span))
         if graph is not None:
             out[f"mixed_{rows}"] = round(time_replay_ms(graph, reps, warmup=2), 3)
+    # a chunk of each captured length with 64 rows (mixed_chunk_tokens): what a pass costs against its M rows
+    for chunk in sorted({k[0] for k in slots._mixed_runs}):
+        graph = slots._mixed_runs.get((chunk, bucket(64, slots.mixed_rows), span))
+        if graph is not None and chunk != length:
+            out[f"chunk_{chunk}_64"] = round(time_replay_ms(graph, reps, warmup=2), 3)
+    if os.environ.get("SEEKSERVE_PROFILE_MIXED"):
+        profile_replays({f"chunk_{c}_64": slots._mixed_runs.get((c, bucket(64, slots.mixed_rows), span))
+                         for c in (256, 448, 512)}
+                        | {"decode_64": slots.graphs[(bucket(64, slots.batch_sizes), span)][0]})
     prefill = slots._prefill_runs.get(length)
     if prefill is not None and prefill[0] is not None:
         out["prefill_one_prompt"] = round(time_replay_ms(prefill[0], reps, warmup=2), 3)
@@ -283,6 +297,25 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
         out[f"decode_{rows}"] = round(time_replay_ms(slots.graphs[(bucket(rows, slots.batch_sizes), span)][0], reps,
                                                      warmup=1), 3)
     return out
+
+
+def profile_replays(graphs: dict, reps: int = 5) -> None:
+    """Prints each graph's kernels by GPU time (torch.profiler over ``reps`` replays): where a pass's time
+    goes beyond its GEMMs."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, graph in graphs.items():
+        if graph is None:
+            continue
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                graph.replay()
+            torch.cuda.synchronize()
+        print(f"--- {name}: kernels by GPU time over {reps} replays")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=90))
 
 
 def time_replay_ms(graph, reps: int, warmup: int) -> float:

@@ -263,16 +263,19 @@ def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
             longest = max(running.values()) + 1
             logits, chosen, lp = (t.clone() for t in eager._step(rows, longest))
             want_prompt = eager.prefill([prompt], [slot], 0)
-            key = compiled.mixed_key(n, rows, longest)
-            assert key == (64 if n <= 64 else 128, 8, next(s for s in compiled.spans if s >= longest))
+            key = compiled.mixed_key(n, rows, max(longest, n))  # the prompt attends over its slot: the span covers it
+            assert key == (64 if n <= 64 else 128, 8, next(s for s in compiled.spans if s >= max(longest, n)))
             got_prompt, (got_logits, got_chosen, got_lp) = compiled.mixed(key, prompt, slot, 3)
             torch.testing.assert_close(got_prompt, want_prompt, rtol=1e-4, atol=1e-4)
             for r in running:
                 torch.testing.assert_close(got_logits[r], logits[r], rtol=1e-4, atol=1e-4)
                 assert got_chosen[r] == chosen[r]
                 torch.testing.assert_close(got_lp[r], lp[r], rtol=1e-4, atol=1e-4)
-            # the free row's token is noise either way (the host overwrites it with the prompt's first token)
-            assert torch.equal(compiled.positions, eager.positions)
+            # the free row's token is noise either way (the host overwrites it with the prompt's first token); its
+            # position points past the (padded) prompt, where a decode step before the host sets it writes harmlessly
+            want_positions = eager.positions.clone()
+            want_positions[slot] = key[0]
+            assert torch.equal(compiled.positions, want_positions)
             assert all(compiled.tokens[r] == eager.tokens[r] for r in running)
             for r in running:
                 running[r] += 1
@@ -291,6 +294,74 @@ def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
         assert compiled.mixed_key(10, 2, 129) is not None  # spans clamp to the longest, as decode's do
     assert counters["stats"]["unique_graphs"] == graphs  # every key reused the one compile
     assert compiled.mixed_graph_passes == 4
+
+
+@needs_cxx
+def test_a_prompt_prefilled_in_chunks_inside_decode_steps_leaves_what_one_prefill_pass_does():
+    # chunked prefill: a 100-token prompt goes into slot 5 as chunks of 64 and 36 tokens, each in a mixed pass
+    # with the running rows' decode step, and a plain decode step that covers the (still free) slot runs
+    # between the two. Against it: the same decode steps, then the whole prompt in one eager prefill pass.
+    # The second chunk must attend to the first, the free row's writes must land where a
+    # chunk overwrites them, and the rows must decode as if no prompt shared their passes
+    from torch._dynamo.utils import counters
+
+    eager, compiled = _eager_and_compiled(compile_step=True)
+    compiled.mixed_graph_tokens, compiled.mixed_rows = 128, [4, 8]
+    with torch.inference_mode():
+        compiled.compile_mixed_pass()
+        compiled.capture_mixed_graphs()
+        assert compiled.mixed_compile_error is None and compiled.mixed_graphs
+        graphs = counters["stats"]["unique_graphs"]
+        running = {0: 7, 1: 12, 2: 3, 4: 20}
+        for dec in (eager, compiled):
+            for t in dec.cache.keys + dec.cache.values:
+                t.fill_(3.0)  # a former occupant's keys and values, which no chunk may attend to
+            for slot, n in running.items():
+                dec.prefill([[30 + slot + j for j in range(n)]], [slot], 0)
+                dec.positions[slot], dec.active[slot], dec.tokens[slot] = n, 1, 100 + slot
+        slot, prompt = 5, [(13 * j) % 450 + 20 for j in range(100)]
+
+        def rows_match(got, want):
+            for r in running:
+                torch.testing.assert_close(got[0][r], want[0][r], rtol=1e-4, atol=1e-4)
+                assert got[1][r] == want[1][r]
+
+        prompt_logits = None
+        for chunk in [(0, 64), None, (64, 100)]:
+            longest = max(running.values()) + 1
+            if chunk is None:  # a plain decode step over 8 rows, the free slot's among them
+                rows_match(compiled._step(8, compiled.spans[-1]), tuple(t.clone() for t in eager._step(8, longest)))
+            else:
+                start, end = chunk
+                want = tuple(t.clone() for t in eager._step(5, longest))
+                key = compiled.mixed_key(end - start, 5, max(longest, end))
+                assert key == (64, 8, next(s for s in compiled.spans if s >= max(longest, end)))
+                prompt_logits, step = compiled.mixed(key, prompt[start:end], slot, 0, start=start)
+                rows_match(step, want)
+                assert compiled.positions[slot] == start + 64  # past the chunk, padding included
+            for r in running:
+                running[r] += 1
+        torch.testing.assert_close(prompt_logits, eager.prefill([prompt], [slot], 0), rtol=1e-4, atol=1e-4)
+        for layer in range(len(eager.cache.keys)):
+            for s, end in {**running, slot: 100}.items():
+                torch.testing.assert_close(compiled.cache.keys[layer][s, :, :end], eager.cache.keys[layer][s, :, :end],
+                                           rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(compiled.cache.values[layer][s, :, :end],
+                                           eager.cache.values[layer][s, :, :end], rtol=1e-4, atol=1e-4)
+        # the new sequence decodes from the next step on, over the keys its chunks wrote
+        for dec in (eager, compiled):
+            dec.positions[slot], dec.active[slot], dec.tokens[slot] = 100, 1, 77
+        running[slot] = 100
+        longest = max(running.values()) + 1
+        got, want = compiled._step(6, longest), eager._step(6, longest)
+        torch.testing.assert_close(got[0][slot], want[0][slot], rtol=1e-4, atol=1e-4)
+        # a chunk whose keys would run past the buffers, or past the key's span, is refused
+        with pytest.raises(ValueError, match="does not fit"):
+            compiled.mixed((64, 8, 128), [1] * 64, slot, 0, start=100)
+        with pytest.raises(ValueError, match="does not fit"):
+            compiled.mixed((64, 8, 32), [1] * 40, slot, 0, start=0)
+    assert counters["stats"]["unique_graphs"] == graphs  # every chunk reused the one compile
+    assert compiled.mixed_graph_passes == 2
 
 
 @needs_cxx

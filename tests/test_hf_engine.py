@@ -204,6 +204,22 @@ async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_mo
         await slots.shutdown()
 
 
+async def staggered(eng, tag, prompts, noise_tokens=80):
+    """Greedy answers to ``prompts``, sent 4 forward passes apart while a sampled stream decodes throughout, so
+    each arrives alone while rows decode."""
+    start = eng.stats().forward_passes
+    noise = asyncio.create_task(run(eng, f"{tag}-noise", prompts[1], temperature=1.0, max_tokens=noise_tokens,
+                                    ignore_eos=True))
+    tasks = []
+    for i, p in enumerate(prompts):
+        while eng.stats().forward_passes < start + 4 * (i + 1):
+            await asyncio.sleep(0.002)
+        tasks.append(asyncio.create_task(run(eng, f"{tag}{i}", p, temperature=0, max_tokens=24)))
+    got = [ids_of(chunks) for chunks in await asyncio.gather(*tasks)]
+    assert len(ids_of(await noise)) == noise_tokens
+    return got
+
+
 async def test_prompts_prefilled_inside_the_running_rows_decode_step_change_no_answer(embedded_model_dir):
     # on a GPU mixed passes are captured graphs; on the CPU the same pass runs directly, so the engine's side
     # (a free slot inside the rows, the first token read after the pass, the rows' tokens in flight) is checked
@@ -212,33 +228,72 @@ async def test_prompts_prefilled_inside_the_running_rows_decode_step_change_no_a
     try:
         prompts = [eng.encode_chat([{"role": "user", "content": q}]) for q in
                    ("What is the capital of France?", "Name three colours.", "Count to five.", "Say hi.")]
+        staggered_ = lambda tag: staggered(eng, tag, prompts)  # noqa: E731
 
-        async def staggered(tag):
-            # a sampled stream decodes throughout, and the greedy prompts come 4 forward passes apart, so each
-            # arrives alone while rows decode
-            start = eng.stats().forward_passes
-            noise = asyncio.create_task(run(eng, f"{tag}-noise", prompts[1], temperature=1.0, max_tokens=80,
-                                            ignore_eos=True))
-            tasks = []
-            for i, p in enumerate(prompts):
-                while eng.stats().forward_passes < start + 4 * (i + 1):
-                    await asyncio.sleep(0.002)
-                tasks.append(asyncio.create_task(run(eng, f"{tag}{i}", p, temperature=0, max_tokens=24)))
-            got = [ids_of(chunks) for chunks in await asyncio.gather(*tasks)]
-            assert len(ids_of(await noise)) == 80
-            return got
-
-        separate = await staggered("sep")
+        separate = await staggered_("sep")
         assert eng.stats().mixed_passes == 0 and eng.warm_up["mixed_graphs"] == 0
         eng._slots.mixed_graph_tokens = 128
         eng._slots.capture_mixed_graphs()
         assert eng.warm_up["mixed_graphs"] == 2 * 1 * 2  # lengths 64, 128 x rows 6 x spans 256, 512
         passes = eng.stats().prefill_passes
-        mixed = await staggered("mix")
+        mixed = await staggered_("mix")
         assert mixed == separate
         # every greedy prompt arrived alone while the sampled stream decoded
         assert eng.stats().mixed_passes == len(prompts) == eng.stats().prefill_passes - passes - 1
         assert eng.stats().num_running == 0 and eng.stats().kv_cache_usage == 0.0
+    finally:
+        await eng.shutdown()
+
+
+async def test_prompts_prefilled_in_chunks_inside_the_decode_steps_change_no_answer(embedded_model_dir):
+    # chunked prefill (mixed_chunk_tokens): each prompt goes into its slot 64 tokens per mixed pass, the running
+    # rows decoding in the same passes; the answers must be those of whole-prompt passes, every chunk must be one
+    # pass, and a request cancelled between two of its chunks must give its slot back
+    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512, "kv_cache": "static"})
+    await eng.start()
+    try:
+        facts = "Paris is in France. Rome is in Italy. Madrid is in Spain. Lisbon is in Portugal. "
+        prompts = [eng.encode_chat([{"role": "user", "content": facts * k + q}]) for k, q in
+                   ((2, "Where is Rome?"), (3, "Name three colours."), (4, "Where is Madrid?"))]
+        lengths = [len(p) for p in prompts]
+        assert all(64 < n <= 128 for n in lengths), lengths  # two chunks each, within the captured lengths
+        whole = await staggered(eng, "whole", prompts)
+        eng._slots.mixed_graph_tokens = 128
+        eng._slots.capture_mixed_graphs()
+        eng.options.mixed_graph_tokens = 128
+        eng.options.mixed_chunk_tokens = 64
+        before = eng.stats()
+        chunked = await staggered(eng, "chunk", prompts)
+        assert chunked == whole
+        after = eng.stats()
+        # every prompt arrived alone while the sampled stream decoded: two chunks each, every chunk a mixed pass
+        assert after.mixed_passes - before.mixed_passes == 2 * len(prompts)
+        assert after.prefill_passes - before.prefill_passes == 2 * len(prompts) + 1  # + the sampled stream's own
+        assert after.prompt_tokens - before.prompt_tokens == sum(lengths) + len(prompts[1])
+
+        # cancelled between its two chunks
+        noise = asyncio.create_task(run(eng, "c-noise", prompts[1], temperature=1.0, max_tokens=60, ignore_eos=True))
+        while eng.stats().num_running == 0:
+            await asyncio.sleep(0.002)
+        victim = asyncio.create_task(run(eng, "c-victim", prompts[2], temperature=0, max_tokens=24))
+        caught = False
+        for _ in range(5000):
+            seq = eng._chunked
+            if seq is not None and seq.req.request_id == "c-victim" and 0 < seq.pos < lengths[2]:
+                caught = True
+                break
+            await asyncio.sleep(0.001)
+        assert caught, "the victim's prompt was never seen between two chunks"
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        assert len(ids_of(await noise)) == 60
+        assert eng.stats().num_running == 0 and eng.stats().kv_cache_usage == 0.0
+        assert eng._chunked is None and sorted(eng._free) == list(range(6))
+        assert eng.stats().aborted_requests >= 1
+        # and the engine still answers as before
+        again = await staggered(eng, "again", prompts)
+        assert again == whole
     finally:
         await eng.shutdown()
 

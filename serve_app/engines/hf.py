@@ -67,6 +67,7 @@ class _Seq:
     queued_pass: int = 0  # the engine's forward-pass count when the request joined the waiting queue
     slot: int = -1  # static cache: the KV row this sequence owns
     pos: int = 0  # static cache: tokens of this sequence in its slot
+    prefilling: bool = False  # static cache: its prompt is going into its slot chunk by chunk (not decoding yet)
 
     @property
     def fast_sampling(self) -> bool:
@@ -142,6 +143,7 @@ class HFEngine(HFTokenization, Engine):
         self._slots = None  # SlotDecoder when the static cache is on
         self._free: list[int] = []
         self._inflight = None  # the launched, not yet read decode step (static, cuda)
+        self._chunked: _Seq | None = None  # static: the prompt being prefilled in chunks (mixed_chunk_tokens)
         self._outbox: list[tuple[_Seq, object]] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -512,13 +514,20 @@ class HFEngine(HFTokenization, Engine):
             self._decode()
 
     # ---- static slots ------------------------------------------------------
+    def _decoding(self) -> list[_Seq]:
+        return [s for s in self._running if not s.finished and not s.prefilling]
+
     def _iteration_static(self) -> None:
+        if self._chunked is not None and self._chunked.finished:  # aborted between two chunks
+            self._chunked = None
+        if self._chunked is not None or self._start_chunked():
+            return self._chunk_static()
         new = self._admit()
         if new and self._mixed_static(new):
             return
         if new:
             self._prefill_static(new)
-        busy = [s for s in self._running if not s.finished]
+        busy = self._decoding()
         if busy and all(s.fast_sampling for s in busy):
             launched = self._launch_fast(busy)
             self._read_inflight()  # the previous step's tokens, read while this one runs
@@ -527,7 +536,7 @@ class HFEngine(HFTokenization, Engine):
                 self._read_inflight()
             return
         self._read_inflight()
-        busy = [s for s in self._running if not s.finished]
+        busy = self._decoding()
         if busy:
             self._decode_static_sync(busy)
 
@@ -546,15 +555,79 @@ class HFEngine(HFTokenization, Engine):
         self._stats.prefill_passes += 1
         self._stats.prompt_tokens += sum(s.pos for s in new)
 
+    def _start_chunked(self) -> bool:
+        """Takes the first waiting prompt for chunked prefill (mixed_chunk_tokens), if it is longer than a
+        chunk, a mixed pass covers it whole (so every chunk has one too), and rows decode that the mixed passes
+        can carry (greedy or plain temperature); the limits are _admit's."""
+        chunk = self.options.mixed_chunk_tokens
+        if not chunk or not self._waiting or not self._slots.mixed_graphs:
+            return False
+        seq = self._waiting[0]
+        n = len(seq.req.prompt_token_ids)
+        busy = self._decoding()
+        if n <= chunk or not busy or not all(s.fast_sampling for s in busy):
+            return False
+        if len(self._running) >= self.options.max_num_seqs or (
+                sum(s.reserved_tokens for s in self._running) + seq.reserved_tokens > self.options.max_kv_tokens):
+            return False
+        rows, longest = self._rows_and_span(busy)
+        if self._slots.mixed_key(n, rows, max(longest, n)) is None:
+            return False
+        import heapq
+
+        self._waiting.popleft()
+        seq.queue_time_s = time.monotonic() - seq.submitted_s
+        seq.slot = heapq.heappop(self._free)
+        seq.pos, seq.prefilling = 0, True
+        # running from now on: if a pass fails, it fails with the batch and its slot is freed
+        self._running.append(seq)
+        self._chunked = seq
+        return True
+
+    def _chunk_static(self) -> None:
+        """The next chunk of the prompt in chunked prefill, in one mixed pass with the decode step of the rows
+        decoding (none left is fine: the pass's rows are then all free); after the last chunk the sequence
+        decodes like any other.
+
+        Why: a mixed pass of a whole 512-token prompt and 64 rows runs its GEMMs at M = 576, a slow size
+        (H200: 480-610 TFLOP/s against 650-745 at 512 and 640, docs/gpu_notes.md run 60), and every other
+        decode step carries no prompt work at all; chunks keep the rows at a chosen M and spread the prompts'
+        work over more of the decode steps."""
+        seq = self._chunked
+        prompt = seq.req.prompt_token_ids
+        start = seq.pos
+        chunk = prompt[start: start + self.options.mixed_chunk_tokens]
+        end = start + len(chunk)
+        busy = self._decoding()
+        rows, longest = self._rows_and_span(busy) if busy else (0, 0)
+        key = self._slots.mixed_key(len(chunk), rows, max(longest, end))
+        if key is None:  # mixed passes switched off on a live engine (a benchmark's compare)
+            raise EngineError("chunked prefill lost its mixed passes")
+        prompt_logits, step = self._slots.mixed(key, chunk, seq.slot, self._pad_id, start=start)
+        self._stats.forward_passes += 1
+        self._stats.prefill_passes += 1
+        self._stats.prompt_tokens += len(chunk)
+        seq.pos = end
+        launched = self._after_launch(busy, rows, *(t[:rows] for t in step))
+        self._read_inflight()  # the previous step's tokens
+        self._inflight = launched
+        if end == len(prompt):
+            self._chunked = None
+            seq.prefilling = False
+            self._first_tokens([seq], prompt_logits)  # waits for the pass, as _mixed_static
+        if self._slots.device.type != "cuda":
+            self._read_inflight()
+
     def _mixed_static(self, new: list[_Seq]) -> bool:
         """One new prompt and the running rows' decode step in one captured pass (SlotDecoder.mixed), if one
         covers them; False leaves both to the separate passes."""
-        busy = [s for s in self._running if not s.finished]
+        busy = self._decoding()
         if len(new) != 1 or not busy or not all(s.fast_sampling for s in busy):
             return False
         rows, span = self._rows_and_span(busy)
         seq = new[0]
-        key = self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, span)
+        # the prompt attends over its slot: the span covers it too
+        key = self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, max(span, len(seq.req.prompt_token_ids)))
         if key is None:
             return False
         self._start_static(new)
@@ -799,6 +872,7 @@ class HFEngine(HFTokenization, Engine):
                 self._outbox.append((seq, err))
         if self._slots is not None:
             self._inflight = None
+            self._chunked = None
             self._release(self._running)
         self._running = []
         self._next = None

@@ -12,6 +12,8 @@ from pydantic import Field, model_validator
 
 from serve_app._model import StrictModel
 
+from .slot_kv import PREFILL_GRAPH_STEP  # no torch at import
+
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
 
 class HFEngineOptions(StrictModel):
@@ -128,6 +130,15 @@ class HFEngineOptions(StrictModel):
         "and 173 s more first start (docs/benchmarks.md, eleventh session); so off unless throughput "
         "at full load is what counts.",
     )
+    mixed_chunk_tokens: int = Field(
+        0, ge=0, le=65536,
+        description="CUDA-graph decode, with mixed_graph_tokens: a prompt longer than this, admitted while other "
+        "rows decode, is prefilled in chunks of this many tokens (a multiple of 64), one chunk per mixed pass "
+        "with the running rows' decode step (vLLM's chunked prefill), one prompt after another; 0, the default: "
+        "whole prompts. Chunks sized so that the pass's rows (chunk + running rows) fill a GEMM-friendly size "
+        "let every decode step carry prompt work; waiting prompts then wait their turn in this queue instead "
+        "of sharing a multi-prompt prefill pass.",
+    )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
         description="tensor_parallel_size > 1: a step that some rank has not finished in this time "
@@ -143,6 +154,14 @@ class HFEngineOptions(StrictModel):
                     f"cuda_graph_batch_sizes must be non-empty, each within 1..max_num_seqs "
                     f"({self.max_num_seqs}); got {self.cuda_graph_batch_sizes}"
                 )
+        if self.mixed_chunk_tokens:
+            if self.mixed_chunk_tokens % PREFILL_GRAPH_STEP:
+                raise ValueError(f"mixed_chunk_tokens must be a multiple of {PREFILL_GRAPH_STEP} (the captured prompt "
+                                 f"lengths' step); "
+                                 f"got {self.mixed_chunk_tokens}")
+            if self.mixed_chunk_tokens > self.mixed_graph_tokens:
+                raise ValueError(f"mixed_chunk_tokens ({self.mixed_chunk_tokens}) needs mixed passes of that many "
+                                 f"prompt tokens: mixed_graph_tokens is {self.mixed_graph_tokens}")
         if self.max_model_len is not None and self.max_model_len > self.max_kv_tokens:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds max_kv_tokens "

@@ -48,7 +48,8 @@ def _grouped_decode_attention(query, key, value, attention_mask, scaling):
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, slot_cache=None,
                    **kwargs):
     """query [B, H, q, d]; key/value [B, KVH, S, d] as returned by SlotKVCache.update. With ``slot_cache``
-    (a mixed pass): one batch of a prompt's tokens followed by one decode token per row."""
+    (a mixed pass): one batch of a prompt's tokens (the whole prompt, or one chunk of it) followed by one
+    decode token per row."""
     import torch
     import torch.nn.functional as F
 
@@ -56,11 +57,18 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     kvh = key.shape[1]
     if slot_cache is not None:
         n, rows, span = slot_cache.mixed_shape
-        # the prompt attends to itself only (causal; its right padding never reaches a real token)
-        prompt = F.scaled_dot_product_attention(query[:, :, :n], key[:, :, :n], value[:, :, :n], is_causal=True,
-                                                scale=scaling, enable_gqa=h != kvh)
-        # each decode row attends over its own slot, which update() has just written its new token into
         layer = module.layer_idx
+        # the prompt's tokens attend over its slot, which update() has just written them into: a chunk after
+        # the first also sees the chunks before it. Each token sees the positions up to its own (the mask);
+        # the right padding never reaches a real token. The query heads of a KV head are stacked so the
+        # kernel needs no GQA support and reads K and V once
+        g = h // kvh
+        slot_keys = slot_cache.keys[layer].index_select(0, slot_cache.prompt_slot)[:, :, :span]
+        slot_values = slot_cache.values[layer].index_select(0, slot_cache.prompt_slot)[:, :, :span]
+        stacked = query[:, :, :n].reshape(1, kvh, g * n, d)
+        prompt = F.scaled_dot_product_attention(stacked, slot_keys, slot_values, attn_mask=slot_cache.prompt_mask,
+                                                scale=scaling).reshape(1, h, n, d)
+        # each decode row attends over its own slot, which update() has just written its new token into
         keys = slot_cache.keys[layer][:rows, :, :span]
         values = slot_cache.values[layer][:rows, :, :span]
         decode = _grouped_decode_attention(query[0, :, n:].transpose(0, 1), keys, values, attention_mask, scaling)
@@ -96,24 +104,30 @@ class SlotKVCache:
         self._rows = 0
         self._span = 0
         self._write_pos = None
+        self._start = None
+        self.prompt_slot = None
+        self.prompt_mask = None
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def for_prefill(self, slot_ids) -> "SlotKVCache":
-        self._mode, self._slot_ids = "prefill", slot_ids
+        self._mode, self._slot_ids, self._start = "prefill", slot_ids, None
         return self
 
     def for_decode(self, rows: int, span: int, write_pos) -> "SlotKVCache":
         self._mode, self._rows, self._span, self._write_pos = "decode", rows, span, write_pos
         return self
 
-    def for_mixed(self, slot_ids, prompt_len: int, rows: int, span: int, write_pos) -> "SlotKVCache":
-        """One prompt of ``prompt_len`` tokens into ``slot_ids`` and one decode token for each of rows
-        ``0..rows-1``, in one pass (SlotDecoder.mixed)."""
-        self._mode, self._slot_ids, self._prompt_len = "mixed", slot_ids, prompt_len
+    def for_mixed(self, slot_ids, prompt_len: int, rows: int, span: int, write_pos, start,
+                  prompt_mask) -> "SlotKVCache":
+        """``prompt_len`` tokens of one prompt into ``slot_ids`` from position ``start`` on (a device tensor
+        [1]: 0 for a whole prompt or its first chunk), each attending where ``prompt_mask`` [g * prompt_len,
+        span] lets it, and one decode token for each of rows ``0..rows-1``, in one pass (SlotDecoder.mixed)."""
+        self._mode, self._slot_ids, self._prompt_len, self._start = "mixed", slot_ids, prompt_len, start
         self._rows, self._span, self._write_pos = rows, span, write_pos
+        self.prompt_slot, self.prompt_mask = slot_ids, prompt_mask
         return self
 
     @property
@@ -144,6 +158,8 @@ class SlotKVCache:
         # into a view is functionalized into a copy of the view for every slot, the write, and a copy
         # back (~134 MB per layer for K and for V at 64 slots x 512 tokens on the 7B)
         pos = torch.arange(key_states.shape[2], device=k.device)
+        if self._start is not None:  # a chunk of a prompt, after the chunks before it
+            pos = pos + self._start
         k[self._slot_ids[:, None], :, pos[None, :]] = key_states.transpose(1, 2)
         v[self._slot_ids[:, None], :, pos[None, :]] = value_states.transpose(1, 2)
 
@@ -221,6 +237,7 @@ class SlotDecoder:
         self.lm_head = model.get_output_embeddings()
         cfg = model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._heads_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
         # compiled: one spare position, so no span is the buffers' full length, and batches of 2 rows at
         # least, so no batch is 1: Inductor would compile each of those cases apart (measured on the 7B:
         # 4 compiles of ~90 s instead of 1). The spare position is never attended to.
@@ -253,7 +270,8 @@ class SlotDecoder:
         # one-prompt passes up to this many tokens replay a captured graph (capture_prefill_graphs)
         self.prefill_graph_tokens = prefill_graph_tokens
         self._prefill_runs: dict[int, tuple[object, object]] = {}  # padded length -> (graph or None, logits)
-        self._prefill_in: tuple | None = None  # (ids, slot, last) on the device, and their host staging
+        # (ids, slot, last position, start position) on the device, their pinned host staging, and an event
+        self._prefill_in: tuple | None = None
         self.prefill_graph_capture_s = 0.0
         self.prefill_graph_reserved_bytes = 0  # what the graphs' memory pool took from the GPU
         self.prefill_graph_error: str | None = None
@@ -350,7 +368,7 @@ class SlotDecoder:
         import torch
 
         self._stage_prompt(prompt, slot, pad_id, padded)
-        ids, slot_ids, last = self._prefill_in[:3]
+        ids, slot_ids, last, _ = self._prefill_in[:4]
         graph, out = self._prefill_runs[padded]
         self.prefill_graph_passes += 1
         if graph is None:  # no CUDA (tests): the same pass on the same padded buffers, run directly
@@ -360,8 +378,9 @@ class SlotDecoder:
         return out
 
     def _alloc_prompt_staging(self) -> None:
-        """The captured passes' prompt inputs (ids, slot, last position) on the device, and their pinned host
-        staging: allocated once, for the longest prompt a buffer holds, as every graph reads these addresses."""
+        """The captured passes' prompt inputs (ids, slot, last position, and for mixed passes the position the
+        ids start at) on the device, and their pinned host staging: allocated once, for the longest prompt a
+        buffer holds, as every graph reads these addresses."""
         import torch
 
         if self._prefill_in is not None:
@@ -370,23 +389,25 @@ class SlotDecoder:
         dev = dict(dtype=torch.long, device=self.device)
         host = dict(dtype=torch.long, pin_memory=cuda)
         self._prefill_in = (torch.zeros(top, **dev), torch.zeros(1, **dev), torch.zeros(1, **dev),
+                            torch.zeros(1, **dev),
                             torch.zeros(top, **host), torch.zeros(1, **host), torch.zeros(1, **host),
-                            torch.cuda.Event() if cuda else None)
+                            torch.zeros(1, **host), torch.cuda.Event() if cuda else None)
 
-    def _stage_prompt(self, prompt: list[int], slot: int, pad_id: int, padded: int) -> None:
+    def _stage_prompt(self, prompt: list[int], slot: int, pad_id: int, padded: int, start: int = 0) -> None:
         import torch
 
-        ids, slot_ids, last, host_ids, host_slot, host_last, copied = self._prefill_in
+        ids, slot_ids, last, first, host_ids, host_slot, host_last, host_first, copied = self._prefill_in
         if copied is not None:
             copied.synchronize()  # the staging buffers are pinned: the last pass's copies must have left them
         n = len(prompt)
         host_ids[:n] = torch.tensor(prompt, dtype=torch.long)
         host_ids[n:padded] = pad_id
-        host_slot[0], host_last[0] = slot, n - 1
+        host_slot[0], host_last[0], host_first[0] = slot, n - 1, start
         # from pinned memory and non-blocking: a pageable copy would wait for the decode step in flight
         ids[:padded].copy_(host_ids[:padded], non_blocking=True)
         slot_ids.copy_(host_slot, non_blocking=True)
         last.copy_(host_last, non_blocking=True)
+        first.copy_(host_first, non_blocking=True)
         if copied is not None:
             copied.record()
 
@@ -413,7 +434,7 @@ class SlotDecoder:
         t0 = time.monotonic()
         cuda = self.device.type == "cuda"
         self._alloc_prompt_staging()
-        ids, slot_ids, last = self._prefill_in[:3]
+        ids, slot_ids, last, _ = self._prefill_in[:4]
         fn = self._prefill_graph_fn()
         runs: dict[int, tuple[object, object]] = {}
         try:
@@ -462,13 +483,18 @@ class SlotDecoder:
         key = (prefill_graph_padding(prompt_len), bucket(busy_rows, self.mixed_rows), bucket(longest, self.spans))
         return key if key in self._mixed_runs else None
 
-    def mixed(self, key: tuple[int, int, int], prompt: list[int], slot: int, pad_id: int):
-        """Prefills ``prompt`` into ``slot`` and runs a decode step of rows 0..rows-1 in one captured pass
-        (``key`` from mixed_key). The prompt's slot must be free until then (active 0): its own decode row,
-        if the rows cover it, computes nothing that is kept. Returns (the prompt's last-position logits
-        [1, V], (decode logits [rows, V], greedy tokens [rows], their logprobs [rows])); the greedy tokens
-        are already the rows' next input and their positions moved on, as decode() leaves them. The outputs
-        are shared by every mixed pass: read them before the next one.
+    def mixed(self, key: tuple[int, int, int], prompt: list[int], slot: int, pad_id: int, start: int = 0):
+        """Prefills ``prompt`` into ``slot`` from position ``start`` on and runs a decode step of rows
+        0..rows-1 in one captured pass (``key`` from mixed_key, for ``len(prompt)`` tokens and a span that
+        covers ``start + len(prompt)``). ``prompt`` is a whole prompt (``start`` 0) or one chunk of it, after
+        the chunks before it (chunked prefill): a chunk that is not the last must be a multiple of
+        PREFILL_GRAPH_STEP long, so it has no padding. The prompt's slot must stay free until its last chunk
+        (active 0): its own decode row, if the rows cover it, writes inside the chunk, which the chunk then
+        overwrites, and after the pass points past the chunk (so a decode step between two chunks writes
+        where the next chunk will). Returns (the last-position logits [1, V] of ``prompt``, (decode logits
+        [rows, V], greedy tokens [rows], their logprobs [rows])); the greedy tokens are already the rows' next
+        input and their positions moved on, as decode() leaves them. The outputs are shared by every mixed
+        pass: read them before the next one.
 
         Why: a decode step of 64 rows reads all the weights for a little GEMM work, while a 512-token
         prefill pass is bound by its GEMMs; the decode rows ride in the prefill's GEMMs instead of a pass
@@ -477,14 +503,17 @@ class SlotDecoder:
         batching mix a step the same way."""
         import torch
 
-        length, rows, _ = key
-        self._stage_prompt(prompt, slot, pad_id, length)
-        ids, slot_ids, last = self._prefill_in[:3]
+        length, rows, span = key
+        if start + length > self.cache.max_len or start + len(prompt) > span:
+            raise ValueError(f"a mixed pass of {len(prompt)} tokens from position {start} does not fit key {key} "
+                             f"(buffers of {self.cache.max_len} positions)")
+        self._stage_prompt(prompt, slot, pad_id, length, start)
+        ids, slot_ids, last, first = self._prefill_in[:4]
         self.mixed_graph_passes += 1
         graph = self._mixed_runs[key]
         if graph is None:  # no CUDA (tests): the same pass on the same padded buffers, run directly
             with torch.compiler.set_stance("fail_on_recompile"):
-                self._mixed_fn()(ids[:length].view(1, length), slot_ids, last, rows, key[2])
+                self._mixed_fn()(ids[:length].view(1, length), slot_ids, last, first, rows, span)
         else:
             graph.replay()
         logits, chosen, lp = self._mixed_out
@@ -493,19 +522,30 @@ class SlotDecoder:
     def _mixed_fn(self):
         return self._mixed_compiled if self._mixed_compiled is not None else self._mixed_pass
 
-    def _mixed_pass(self, ids, slot_ids, last, rows: int, span: int):
+    def _mixed_pass(self, ids, slot_ids, last, start, rows: int, span: int):
         import torch
 
         n = ids.shape[1]
+        # the prompt's own (free) row writes inside the chunk, which the chunk's write then overwrites
+        self.positions.index_copy_(0, slot_ids, start)
         pos = self.positions[:rows]
         mask = self._row_mask(pos, span)
+        prompt_pos = start + torch.arange(n, device=ids.device)
+        # additive, in the activations' dtype, built once for all layers (a boolean mask is converted per call)
+        seen = (self.span_ids[:span].unsqueeze(0) <= prompt_pos.unsqueeze(1)).repeat(self._heads_per_kv, 1)
+        prompt_mask = torch.zeros(seen.shape, dtype=self.lm_head.weight.dtype, device=ids.device).masked_fill(
+            ~seen, float("-inf"))
         hidden = self.decoder(
             input_ids=torch.cat([ids, self.tokens[:rows].unsqueeze(0)], dim=1),
-            position_ids=torch.cat([torch.arange(n, device=ids.device), pos]).unsqueeze(0),
-            attention_mask=mask, past_key_values=self.cache.for_mixed(slot_ids, n, rows, span, pos),
+            position_ids=torch.cat([prompt_pos, pos]).unsqueeze(0),
+            attention_mask=mask,
+            past_key_values=self.cache.for_mixed(slot_ids, n, rows, span, pos, start, prompt_mask),
             use_cache=True, slot_cache=self.cache).last_hidden_state
         logits = self.lm_head(torch.cat([hidden[0, last], hidden[0, n:]]))
         chosen, logprob = self._greedy_next(logits[1:], rows)
+        # past the chunk: a decode step before the next chunk writes the free row where that chunk will (the
+        # host sets a finished prompt's position itself); within the buffers
+        self.positions.index_copy_(0, slot_ids, (start + n).clamp(max=self.cache.max_len - 1))
         out_logits, out_chosen, out_lp = self._mixed_out
         out_logits[: rows + 1].copy_(logits)
         out_chosen[:rows].copy_(chosen)
@@ -533,7 +573,8 @@ class SlotDecoder:
             n = 37
             compiled(torch.ones((1, n), dtype=torch.long, device=self.device),
                      torch.zeros(1, dtype=torch.long, device=self.device),
-                     torch.full((1,), n - 1, dtype=torch.long, device=self.device), self.mixed_rows[-1], self.spans[-1])
+                     torch.full((1,), n - 1, dtype=torch.long, device=self.device),
+                     torch.zeros(1, dtype=torch.long, device=self.device), self.mixed_rows[-1], self.spans[-1])
         except Exception as e:  # noqa: BLE001 - without it, mixed passes are captured uncompiled
             self.mixed_compile_error = f"{type(e).__name__}: {str(e)[:300]}"
             log.warning("torch.compile of the mixed pass failed, capturing it uncompiled: %s", self.mixed_compile_error)
@@ -568,7 +609,7 @@ class SlotDecoder:
         t0 = time.monotonic()
         self._alloc_mixed_out()
         self._alloc_prompt_staging()
-        ids, slot_ids, last = self._prefill_in[:3]
+        ids, slot_ids, last, first = self._prefill_in[:4]
         fn = self._mixed_fn()
         keys = [(length, rows, span) for length in lengths for rows in self.mixed_rows for span in self.spans]
         runs: dict[tuple[int, int, int], object] = {}
@@ -581,9 +622,10 @@ class SlotDecoder:
                 # largest first, so the smaller graphs reuse the pool's blocks; the warm-up passes write slot
                 # 0's first positions and the rows' position 0, which no sequence owns yet
                 slot_ids.zero_()
+                first.zero_()
                 for length, rows, span in sorted(keys, reverse=True):
                     last.fill_(length - 1)
-                    args = (ids[:length].view(1, length), slot_ids, last, rows, span)
+                    args = (ids[:length].view(1, length), slot_ids, last, first, rows, span)
                     try:
                         with torch.compiler.set_stance("fail_on_recompile"):
                             runs[(length, rows, span)] = capture_graph(lambda a=args: fn(*a), pool, stream)[0]
