@@ -254,9 +254,12 @@ async def test_prompts_prefilled_in_chunks_inside_the_decode_steps_change_no_ans
     try:
         facts = "Paris is in France. Rome is in Italy. Madrid is in Spain. Lisbon is in Portugal. "
         prompts = [eng.encode_chat([{"role": "user", "content": facts * k + q}]) for k, q in
-                   ((2, "Where is Rome?"), (3, "Name three colours."), (4, "Where is Madrid?"))]
+                   ((2, "Where is Rome?"), (3, "Name three colours."), (4, "Where is Madrid?"),
+                    (9, "Where is Lisbon?"))]
         lengths = [len(p) for p in prompts]
-        assert all(64 < n <= 128 for n in lengths), lengths  # two chunks each, within the captured lengths
+        # two chunks each, and the last prompt longer than any captured mixed pass (128): it is chunked too
+        assert all(64 < n <= 128 for n in lengths[:3]) and 192 < lengths[3] <= 256, lengths
+        chunks = [-(-n // 64) for n in lengths]
         whole = await staggered(eng, "whole", prompts)
         eng._slots.mixed_graph_tokens = 128
         eng._slots.capture_mixed_graphs()
@@ -266,9 +269,9 @@ async def test_prompts_prefilled_in_chunks_inside_the_decode_steps_change_no_ans
         chunked = await staggered(eng, "chunk", prompts)
         assert chunked == whole
         after = eng.stats()
-        # every prompt arrived alone while the sampled stream decoded: two chunks each, every chunk a mixed pass
-        assert after.mixed_passes - before.mixed_passes == 2 * len(prompts)
-        assert after.prefill_passes - before.prefill_passes == 2 * len(prompts) + 1  # + the sampled stream's own
+        # every prompt arrived alone while the sampled stream decoded: every chunk a mixed pass
+        assert after.mixed_passes - before.mixed_passes == sum(chunks)
+        assert after.prefill_passes - before.prefill_passes == sum(chunks) + 1  # + the sampled stream's own
         assert after.prompt_tokens - before.prompt_tokens == sum(lengths) + len(prompts[1])
 
         # cancelled between its two chunks

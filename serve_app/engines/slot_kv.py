@@ -483,6 +483,11 @@ class SlotDecoder:
         key = (prefill_graph_padding(prompt_len), bucket(busy_rows, self.mixed_rows), bucket(longest, self.spans))
         return key if key in self._mixed_runs else None
 
+    def chunks_fit(self, prompt_len: int) -> bool:
+        """A prompt of ``prompt_len`` tokens can go into its slot in chunks that are multiples of
+        PREFILL_GRAPH_STEP: its last chunk, padded, ends within the buffers."""
+        return prefill_graph_padding(prompt_len) <= self.cache.max_len
+
     def mixed(self, key: tuple[int, int, int], prompt: list[int], slot: int, pad_id: int, start: int = 0):
         """Prefills ``prompt`` into ``slot`` from position ``start`` on and runs a decode step of rows
         0..rows-1 in one captured pass (``key`` from mixed_key, for ``len(prompt)`` tokens and a span that
