@@ -559,7 +559,8 @@ class HFEngine(HFTokenization, Engine):
         """Takes the first waiting prompt for chunked prefill (mixed_chunk_tokens), if it is longer than a
         chunk, its chunks fit the buffers, and rows decode that the mixed passes can carry (greedy or plain
         temperature); the limits are _admit's. A prompt longer than mixed_graph_tokens is chunked too: its
-        whole-prompt pass would stall every decoding row (~40 ms for 2,048 tokens of the 7B on an H200)."""
+        whole-prompt pass would stall every decoding row (a 4 x 512-token pass of the 7B takes ~40 ms on an
+        H200, docs/gpu_notes.md run 30)."""
         chunk = self.options.mixed_chunk_tokens
         if not chunk or not self._waiting or not self._slots.mixed_graphs:
             return False
