@@ -549,7 +549,9 @@ def main() -> None:
     for rows, by_span in res.get("graph_replay_ms_by_span", {}).items():
         print(f"{f'  batch {rows} by span':<34}  " + ", ".join(f"{s}: {ms:.2f}" for s, ms in by_span.items()))
     for key, ms in res.get("mixed_replay_ms", {}).items():
-        print(f"{f'replay alone, {key} (ms)':<34}{ms:>12.2f}  ({args.prompt}-token prompt, span 768)")
+        what = (f"a {key.split('_')[1]}-token chunk, 64 rows" if key.startswith("chunk_")
+                else f"{args.prompt}-token prompt")
+        print(f"{f'replay alone, {key} (ms)':<34}{ms:>12.2f}  ({what}, span 768)")
     for tag, s_ in res.get("compare_switch_s", {}).items():
         print(f"{f'switch to {tag} (s)':<34}{s_:>12.2f}")
 
