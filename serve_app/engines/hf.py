@@ -558,7 +558,8 @@ class HFEngine(HFTokenization, Engine):
     def _start_chunked(self) -> bool:
         """Takes the first waiting prompt for chunked prefill (mixed_chunk_tokens), if it is longer than a
         chunk, its chunks fit the buffers, and rows decode that the mixed passes can carry (greedy or plain
-        temperature); the limits are _admit's. A prompt longer than mixed_graph_tokens is chunked too: its
+        temperature); the limits are _admit's, and the hold (max_prefill_wait_steps) does not apply: a chunk
+        shares its pass with the rows already. A prompt longer than mixed_graph_tokens is chunked too: its
         whole-prompt pass would stall every decoding row (a 4 x 512-token pass of the 7B takes ~40 ms on an
         H200, docs/gpu_notes.md run 30)."""
         chunk = self.options.mixed_chunk_tokens
@@ -591,10 +592,12 @@ class HFEngine(HFTokenization, Engine):
         decoding (none left is fine: the pass's rows are then all free); after the last chunk the sequence
         decodes like any other.
 
-        Why: a mixed pass of a whole 512-token prompt and 64 rows runs its GEMMs at M = 576, a slow size
-        (H200: 480-610 TFLOP/s against 650-745 at 512 and 640, docs/gpu_notes.md run 60), and every other
-        decode step carries no prompt work at all; chunks keep the rows at a chosen M and spread the prompts'
-        work over more of the decode steps."""
+        Why: a long prompt's pass stalls every decoding row for its whole length; in chunks each row waits
+        one chunk's pass at most (CPU box: 650 -> 197-352 ms for a 480-token prompt, benchmarks/chunk_stall.py),
+        and the prompt's own first token comes later. For throughput it was the last scheduling lever and
+        measured none on an H200 (5,043 against 5,077 tok/s at 64 x 10 against whole-prompt mixed passes): a
+        mixed pass costs ~6.5 ms plus ~1.2 ms per 64 prompt tokens, so the rows do not ride free
+        (docs/gpu_notes.md runs 67-69)."""
         seq = self._chunked
         prompt = seq.req.prompt_token_ids
         start = seq.pos

@@ -139,8 +139,8 @@ class HFEngineOptions(StrictModel):
         "spread over passes of one chunk each instead of stalling every decoding row for one long pass (CPU "
         "box, SmolLM2, a 480-token prompt: the decoding streams' longest gap 650 -> 352 / 197 ms with chunks "
         "of 256 / 64, its own first token 721 -> 746 / 1,549 ms; not measured on a GPU); waiting prompts wait "
-        "their turn instead of sharing a "
-        "multi-prompt prefill pass. Measured on an H200, 7B, 512-token prompts, against whole-prompt mixed "
+        "their turn instead of sharing a multi-prompt prefill pass, and max_prefill_wait_steps does not apply "
+        "to them. Measured on an H200, 7B, 512-token prompts, against whole-prompt mixed "
         "passes on one machine: 64 concurrent x 10 requests 5,043 against 5,077 tok/s (chunks of 448), TTFT "
         "p50 32 against 49 ms but p95 221 against 92; at 32 concurrent p95 48 against 88 (docs/gpu_notes.md "
         "runs 67-69); so off unless long prompts stall the streams.",
@@ -163,8 +163,7 @@ class HFEngineOptions(StrictModel):
         if self.mixed_chunk_tokens:
             if self.mixed_chunk_tokens % PREFILL_GRAPH_STEP:
                 raise ValueError(f"mixed_chunk_tokens must be a multiple of {PREFILL_GRAPH_STEP} (the captured prompt "
-                                 f"lengths' step); "
-                                 f"got {self.mixed_chunk_tokens}")
+                                 f"lengths' step); got {self.mixed_chunk_tokens}")
             if self.mixed_chunk_tokens > self.mixed_graph_tokens:
                 raise ValueError(f"mixed_chunk_tokens ({self.mixed_chunk_tokens}) needs mixed passes of that many "
                                  f"prompt tokens: mixed_graph_tokens is {self.mixed_graph_tokens}")
