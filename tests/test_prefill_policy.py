@@ -51,3 +51,18 @@ def test_the_engine_option_holds_only_when_set():
     assert HFEngineOptions(max_prefill_wait_steps=3).max_prefill_wait_steps == 3
     with pytest.raises(ValueError, match="max_prefill_wait_steps"):
         HFEngineOptions(max_prefill_wait_steps=-1)
+
+
+def test_chunked_prefill_needs_whole_captured_lengths_and_mixed_passes_that_long():
+    from serve_app.engines.options import HFEngineOptions
+
+    assert HFEngineOptions().mixed_chunk_tokens == 0
+    assert HFEngineOptions(mixed_graph_tokens=512, mixed_chunk_tokens=448).mixed_chunk_tokens == 448
+    with pytest.raises(ValueError, match="multiple of 64"):
+        HFEngineOptions(mixed_graph_tokens=512, mixed_chunk_tokens=100)
+    with pytest.raises(ValueError, match="mixed_graph_tokens is 256"):
+        HFEngineOptions(mixed_graph_tokens=256, mixed_chunk_tokens=448)
+    opts = HFEngineOptions(mixed_graph_tokens=512, mixed_chunk_tokens=448)
+    with pytest.raises(ValueError, match="mixed_graph_tokens is 0"):  # and nothing is left half-applied
+        opts.mixed_graph_tokens = 0
+    assert opts.mixed_graph_tokens == 512
