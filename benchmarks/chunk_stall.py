@@ -76,7 +76,7 @@ async def measure(args) -> list[dict]:
         # the CPU captures nothing: the mixed passes' keys run the pass directly (as the CPU tests do)
         top = -(-args.prompt // 64) * 64
         modes = [("separate", None)] + [(f"chunk {c}", c) for c in args.chunks]
-        slots.mixed_graph_tokens = top
+        slots.mixed_graph_tokens, slots.mixed_chunk_tokens = top, max(args.chunks)
         slots.capture_mixed_graphs()
         engine.options.mixed_graph_tokens = top
         for name, chunk in modes:

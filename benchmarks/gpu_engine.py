@@ -278,17 +278,20 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
         with torch.inference_mode():
             slots._prefill_in[3].zero_()  # a chunk's start, left by the last pass served: from position 0 it fits
     for rows in (16, 32, 64):
-        graph = slots._mixed_runs.get((length, bucket(rows, slots.mixed_rows), span))
+        graph = slots._mixed_runs.get((length, bucket(rows, slots.mixed_rows), span, False))
         if graph is not None:
             out[f"mixed_{rows}"] = round(time_replay_ms(graph, reps, warmup=2), 3)
-    # a chunk of each captured length with 64 rows (mixed_chunk_tokens): what a pass costs against its M rows
-    for chunk in sorted({k[0] for k in slots._mixed_runs}):
-        graph = slots._mixed_runs.get((chunk, bucket(64, slots.mixed_rows), span))
-        if graph is not None and chunk != length:
-            out[f"chunk_{chunk}_64"] = round(time_replay_ms(graph, reps, warmup=2), 3)
+    # each captured length with 64 rows, from a prompt's first position (chunk_) and as a later chunk (resume_;
+    # mixed_chunk_tokens): what a pass costs against its M rows. Until 2026-12-04's run 69 chunk_ was the later
+    # chunks' form (every mixed pass attended over its slot then)
+    rows64 = bucket(64, slots.mixed_rows)
+    for chunk, resumes in sorted({(k[0], k[3]) for k in slots._mixed_runs}):
+        graph = slots._mixed_runs.get((chunk, rows64, span, resumes))
+        if graph is not None and (resumes or chunk != length):
+            out[f"{'resume' if resumes else 'chunk'}_{chunk}_64"] = round(time_replay_ms(graph, reps, warmup=2), 3)
     if os.environ.get("SEEKSERVE_PROFILE_MIXED"):
-        profile_replays({f"chunk_{c}_64": slots._mixed_runs.get((c, bucket(64, slots.mixed_rows), span))
-                         for c in (256, 448, 512)}
+        profile_replays({f"{'resume' if r else 'chunk'}_{c}_64": slots._mixed_runs.get((c, rows64, span, r))
+                         for c in (256, 448, 512) for r in (False, True)}
                         | {"decode_64": slots.graphs[(bucket(64, slots.batch_sizes), span)][0]})
     prefill = slots._prefill_runs.get(length)
     if prefill is not None and prefill[0] is not None:
@@ -549,8 +552,8 @@ def main() -> None:
     for rows, by_span in res.get("graph_replay_ms_by_span", {}).items():
         print(f"{f'  batch {rows} by span':<34}  " + ", ".join(f"{s}: {ms:.2f}" for s, ms in by_span.items()))
     for key, ms in res.get("mixed_replay_ms", {}).items():
-        what = (f"a {key.split('_')[1]}-token chunk, 64 rows" if key.startswith("chunk_")
-                else f"{args.prompt}-token prompt")
+        what = (f"a {key.split('_')[1]}-token {'later ' if key.startswith('resume_') else ''}chunk, 64 rows"
+                if key.startswith(("chunk_", "resume_")) else f"{args.prompt}-token prompt")
         print(f"{f'replay alone, {key} (ms)':<34}{ms:>12.2f}  ({what}, span 768)")
     for tag, s_ in res.get("compare_switch_s", {}).items():
         print(f"{f'switch to {tag} (s)':<34}{s_:>12.2f}")

@@ -264,7 +264,7 @@ def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
             logits, chosen, lp = (t.clone() for t in eager._step(rows, longest))
             want_prompt = eager.prefill([prompt], [slot], 0)
             key = compiled.mixed_key(n, rows, max(longest, n))  # the prompt attends over its slot: the span covers it
-            assert key == (64 if n <= 64 else 128, 8, next(s for s in compiled.spans if s >= max(longest, n)))
+            assert key == (64 if n <= 64 else 128, 8, next(s for s in compiled.spans if s >= max(longest, n)), False)
             got_prompt, (got_logits, got_chosen, got_lp) = compiled.mixed(key, prompt, slot, 3)
             torch.testing.assert_close(got_prompt, want_prompt, rtol=1e-4, atol=1e-4)
             for r in running:
@@ -288,7 +288,7 @@ def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
             for dec in (eager, compiled):  # the new sequence decodes from the next step on
                 dec.positions[slot], dec.active[slot], dec.tokens[slot] = n, 1, 200 + slot
             running[slot] = n
-        compiled.mixed((64, 4, 128), [5] * 10, 7, 0)  # the other row count, at the full span
+        compiled.mixed((64, 4, 128, False), [5] * 10, 7, 0)  # the other row count, at the full span
         # past the longest captured prompt, the rows or the spans: no mixed pass
         assert compiled.mixed_key(129, 2, 10) is None and compiled.mixed_key(10, 9, 10) is None
         assert compiled.mixed_key(10, 2, 129) is not None  # spans clamp to the longest, as decode's do
@@ -306,11 +306,13 @@ def test_a_prompt_prefilled_in_chunks_inside_decode_steps_leaves_what_one_prefil
     from torch._dynamo.utils import counters
 
     eager, compiled = _eager_and_compiled(compile_step=True)
-    compiled.mixed_graph_tokens, compiled.mixed_rows = 128, [4, 8]
+    compiled.mixed_graph_tokens, compiled.mixed_chunk_tokens, compiled.mixed_rows = 128, 64, [4, 8]
     with torch.inference_mode():
         compiled.compile_mixed_pass()
         compiled.capture_mixed_graphs()
         assert compiled.mixed_compile_error is None and compiled.mixed_graphs
+        # from a prompt's first position: lengths 64, 128; later chunks: 64 (the chunk size) x rows 4, 8 x 4 spans
+        assert len(compiled.mixed_graph_keys) == (2 + 1) * 2 * 4
         graphs = counters["stats"]["unique_graphs"]
         running = {0: 7, 1: 12, 2: 3, 4: 20}
         for dec in (eager, compiled):
@@ -334,8 +336,8 @@ def test_a_prompt_prefilled_in_chunks_inside_decode_steps_leaves_what_one_prefil
             else:
                 start, end = chunk
                 want = tuple(t.clone() for t in eager._step(5, longest))
-                key = compiled.mixed_key(end - start, 5, max(longest, end))
-                assert key == (64, 8, next(s for s in compiled.spans if s >= max(longest, end)))
+                key = compiled.mixed_key(end - start, 5, max(longest, end), resumes=start > 0)
+                assert key == (64, 8, next(s for s in compiled.spans if s >= max(longest, end)), start > 0)
                 prompt_logits, step = compiled.mixed(key, prompt[start:end], slot, 0, start=start)
                 rows_match(step, want)
                 assert compiled.positions[slot] == start + 64  # past the chunk, padding included
@@ -355,11 +357,16 @@ def test_a_prompt_prefilled_in_chunks_inside_decode_steps_leaves_what_one_prefil
         longest = max(running.values()) + 1
         got, want = compiled._step(6, longest), eager._step(6, longest)
         torch.testing.assert_close(got[0][slot], want[0][slot], rtol=1e-4, atol=1e-4)
-        # a chunk whose keys would run past the buffers, or past the key's span, is refused
+        # a chunk whose keys would run past the buffers, or past the key's span, or a pass of the other form
+        # (a later chunk's from position 0, a first one's from another) is refused
         with pytest.raises(ValueError, match="does not fit"):
-            compiled.mixed((64, 8, 128), [1] * 64, slot, 0, start=100)
+            compiled.mixed((64, 8, 128, True), [1] * 64, slot, 0, start=100)
         with pytest.raises(ValueError, match="does not fit"):
-            compiled.mixed((64, 8, 32), [1] * 40, slot, 0, start=0)
+            compiled.mixed((64, 8, 32, False), [1] * 40, slot, 0, start=0)
+        with pytest.raises(ValueError, match="does not fit"):
+            compiled.mixed((64, 8, 128, False), [1] * 40, slot, 0, start=64)
+        with pytest.raises(ValueError, match="does not fit"):
+            compiled.mixed((64, 8, 128, True), [1] * 40, slot, 0, start=0)
     assert counters["stats"]["unique_graphs"] == graphs  # every chunk reused the one compile
     assert compiled.mixed_graph_passes == 2
 

@@ -261,7 +261,7 @@ async def test_prompts_prefilled_in_chunks_inside_the_decode_steps_change_no_ans
         assert all(64 < n <= 128 for n in lengths[:3]) and 192 < lengths[3] <= 256, lengths
         chunks = [-(-n // 64) for n in lengths]
         whole = await staggered(eng, "whole", prompts)
-        eng._slots.mixed_graph_tokens = 128
+        eng._slots.mixed_graph_tokens, eng._slots.mixed_chunk_tokens = 128, 64
         eng._slots.capture_mixed_graphs()
         eng.options.mixed_graph_tokens = 128
         eng.options.mixed_chunk_tokens = 64

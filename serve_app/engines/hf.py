@@ -248,6 +248,7 @@ class HFEngine(HFTokenization, Engine):
             compile_prefill=use_graphs and opts.compile_prefill,
             prefill_graph_tokens=opts.prefill_graph_tokens if use_graphs else 0,
             mixed_graph_tokens=opts.mixed_graph_tokens if use_graphs else 0,
+            mixed_chunk_tokens=opts.mixed_chunk_tokens if use_graphs else 0,
             batch_sizes=[b for b in sizes if b <= opts.max_num_seqs], span_step=opts.cuda_graph_span_step)
         self._free = list(range(opts.max_num_seqs))
         heapq.heapify(self._free)
@@ -574,7 +575,9 @@ class HFEngine(HFTokenization, Engine):
                 sum(s.reserved_tokens for s in self._running) + seq.reserved_tokens > self.options.max_kv_tokens):
             return False
         rows, longest = self._rows_and_span(busy)
-        if not self._slots.chunks_fit(n) or self._slots.mixed_key(chunk, rows, max(longest, chunk)) is None:
+        # the first chunk's pass and the later chunks' (captured for the chunk size the engine started with)
+        if (not self._slots.chunks_fit(n) or self._slots.mixed_key(chunk, rows, max(longest, chunk)) is None
+                or self._slots.mixed_key(min(chunk, n - chunk), rows, max(longest, n), resumes=True) is None):
             return False
         import heapq
 
@@ -605,7 +608,7 @@ class HFEngine(HFTokenization, Engine):
         end = start + len(chunk)
         busy = self._decoding()
         rows, longest = self._rows_and_span(busy) if busy else (0, 0)
-        key = self._slots.mixed_key(len(chunk), rows, max(longest, end))
+        key = self._slots.mixed_key(len(chunk), rows, max(longest, end), resumes=start > 0)
         if key is None:  # mixed passes switched off on a live engine (a benchmark's compare)
             raise EngineError("chunked prefill lost its mixed passes")
         prompt_logits, step = self._slots.mixed(key, chunk, seq.slot, self._pad_id, start=start)

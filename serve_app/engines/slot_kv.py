@@ -58,16 +58,22 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     if slot_cache is not None:
         n, rows, span = slot_cache.mixed_shape
         layer = module.layer_idx
-        # the prompt's tokens attend over its slot, which update() has just written them into: a chunk after
-        # the first also sees the chunks before it. Each token sees the positions up to its own (the mask);
-        # the right padding never reaches a real token. The query heads of a KV head are stacked so the
-        # kernel needs no GQA support and reads K and V once
-        g = h // kvh
-        slot_keys = slot_cache.keys[layer].index_select(0, slot_cache.prompt_slot)[:, :, :span]
-        slot_values = slot_cache.values[layer].index_select(0, slot_cache.prompt_slot)[:, :, :span]
-        stacked = query[:, :, :n].reshape(1, kvh, g * n, d)
-        prompt = F.scaled_dot_product_attention(stacked, slot_keys, slot_values, attn_mask=slot_cache.prompt_mask,
-                                                scale=scaling).reshape(1, h, n, d)
+        if slot_cache.prompt_mask is None:
+            # a prompt from its first position: it attends to itself only (causal; its right padding never
+            # reaches a real token), a flash kernel over its own fresh keys
+            prompt = F.scaled_dot_product_attention(query[:, :, :n], key[:, :, :n], value[:, :, :n], is_causal=True,
+                                                    scale=scaling, enable_gqa=h != kvh)
+        else:
+            # a later chunk: its tokens attend over the slot, which update() has just written them into, so
+            # they also see the chunks before it; each sees the positions up to its own (the mask). The
+            # query heads of a KV head are stacked so the kernel needs no GQA support and reads K and V once.
+            # ~3x the first form's cost at span 768 (H200, docs/gpu_notes.md run 69), so only where needed
+            g = h // kvh
+            slot_keys = slot_cache.keys[layer].index_select(0, slot_cache.prompt_slot)[:, :, :span]
+            slot_values = slot_cache.values[layer].index_select(0, slot_cache.prompt_slot)[:, :, :span]
+            stacked = query[:, :, :n].reshape(1, kvh, g * n, d)
+            prompt = F.scaled_dot_product_attention(stacked, slot_keys, slot_values,
+                                                    attn_mask=slot_cache.prompt_mask, scale=scaling).reshape(1, h, n, d)
         # each decode row attends over its own slot, which update() has just written its new token into
         keys = slot_cache.keys[layer][:rows, :, :span]
         values = slot_cache.values[layer][:rows, :, :span]
@@ -123,8 +129,9 @@ class SlotKVCache:
     def for_mixed(self, slot_ids, prompt_len: int, rows: int, span: int, write_pos, start,
                   prompt_mask) -> "SlotKVCache":
         """``prompt_len`` tokens of one prompt into ``slot_ids`` from position ``start`` on (a device tensor
-        [1]: 0 for a whole prompt or its first chunk), each attending where ``prompt_mask`` [g * prompt_len,
-        span] lets it, and one decode token for each of rows ``0..rows-1``, in one pass (SlotDecoder.mixed)."""
+        [1]), and one decode token for each of rows ``0..rows-1``, in one pass (SlotDecoder.mixed). With
+        ``prompt_mask`` [g * prompt_len, span] (a chunk after the first) the tokens attend over the slot where
+        it lets them; without (``start`` is 0), over themselves."""
         self._mode, self._slot_ids, self._prompt_len, self._start = "mixed", slot_ids, prompt_len, start
         self._rows, self._span, self._write_pos = rows, span, write_pos
         self.prompt_slot, self.prompt_mask = slot_ids, prompt_mask
@@ -229,7 +236,8 @@ class SlotDecoder:
 
     def __init__(self, model, num_slots: int, max_len: int, dtype, device, use_graphs: bool,
                  batch_sizes: list[int], span_step: int, compile_step: bool = False,
-                 compile_prefill: bool = False, prefill_graph_tokens: int = 0, mixed_graph_tokens: int = 0):
+                 compile_prefill: bool = False, prefill_graph_tokens: int = 0, mixed_graph_tokens: int = 0,
+                 mixed_chunk_tokens: int = 0):
         import torch
 
         self.model = model
@@ -286,7 +294,10 @@ class SlotDecoder:
         self._mixed_compiled = None
         self.mixed_compile_s = 0.0
         self.mixed_compile_error: str | None = None
-        self._mixed_runs: dict[tuple[int, int, int], object] = {}  # (prompt, rows, span) -> graph or None
+        # chunked prefill: the chunks after a prompt's first, up to this many tokens, get mixed passes of their own
+        self.mixed_chunk_tokens = mixed_chunk_tokens
+        # (prompt, rows, span, resumes: a chunk after the first) -> graph or None
+        self._mixed_runs: dict[tuple[int, int, int, bool], object] = {}
         self._mixed_out: tuple | None = None  # static outputs: logits [1 + rows, V], decode tokens and logprobs
         self.mixed_graph_capture_s = 0.0
         self.mixed_graph_reserved_bytes = 0
@@ -471,16 +482,19 @@ class SlotDecoder:
 
     # ---- mixed passes --------------------------------------------------------
     @property
-    def mixed_graph_keys(self) -> list[tuple[int, int, int]]:
-        """The (prompt length, rows, span) mixed passes captured (capture_mixed_graphs)."""
+    def mixed_graph_keys(self) -> list[tuple[int, int, int, bool]]:
+        """The (prompt length, rows, span, resumes) mixed passes captured (capture_mixed_graphs)."""
         return sorted(self._mixed_runs)
 
-    def mixed_key(self, prompt_len: int, busy_rows: int, longest: int) -> tuple[int, int, int] | None:
-        """The captured mixed pass that covers one prompt of ``prompt_len`` tokens with a decode step of
-        rows 0..busy_rows-1 whose longest sequence (after the step) is ``longest``; None if none does."""
+    def mixed_key(self, prompt_len: int, busy_rows: int, longest: int,
+                  resumes: bool = False) -> tuple[int, int, int, bool] | None:
+        """The captured mixed pass that covers ``prompt_len`` tokens of one prompt (from its first position,
+        or with ``resumes`` a chunk after the first) with a decode step of rows 0..busy_rows-1 whose longest
+        sequence (after the step) is ``longest``; None if none does."""
         if not self.mixed_graphs or busy_rows > self.mixed_rows[-1]:
             return None
-        key = (prefill_graph_padding(prompt_len), bucket(busy_rows, self.mixed_rows), bucket(longest, self.spans))
+        key = (prefill_graph_padding(prompt_len), bucket(busy_rows, self.mixed_rows), bucket(longest, self.spans),
+               resumes)
         return key if key in self._mixed_runs else None
 
     def chunks_fit(self, prompt_len: int) -> bool:
@@ -488,11 +502,12 @@ class SlotDecoder:
         PREFILL_GRAPH_STEP: its last chunk, padded, ends within the buffers."""
         return prefill_graph_padding(prompt_len) <= self.cache.max_len
 
-    def mixed(self, key: tuple[int, int, int], prompt: list[int], slot: int, pad_id: int, start: int = 0):
+    def mixed(self, key: tuple[int, int, int, bool], prompt: list[int], slot: int, pad_id: int, start: int = 0):
         """Prefills ``prompt`` into ``slot`` from position ``start`` on and runs a decode step of rows
-        0..rows-1 in one captured pass (``key`` from mixed_key, for ``len(prompt)`` tokens and a span that
-        covers ``start + len(prompt)``). ``prompt`` is a whole prompt (``start`` 0) or one chunk of it, after
-        the chunks before it (chunked prefill): a chunk that is not the last must be a multiple of
+        0..rows-1 in one captured pass (``key`` from mixed_key, for ``len(prompt)`` tokens, a span that covers
+        ``start + len(prompt)``, and resuming if ``start`` is not 0). ``prompt`` is a whole prompt (``start``
+        0) or one chunk of it, after the chunks before it (chunked prefill): a chunk that is not the last must
+        be a multiple of
         PREFILL_GRAPH_STEP long, so it has no padding. The prompt's slot must stay free until its last chunk
         (active 0): its own decode row, if the rows cover it, writes inside the chunk, which the chunk then
         overwrites, and after the pass points past the chunk (so a decode step between two chunks writes
@@ -508,8 +523,8 @@ class SlotDecoder:
         batching mix a step the same way."""
         import torch
 
-        length, rows, span = key
-        if start + length > self.cache.max_len or start + len(prompt) > span:
+        length, rows, span, resumes = key
+        if start + length > self.cache.max_len or start + len(prompt) > span or resumes != (start > 0):
             raise ValueError(f"a mixed pass of {len(prompt)} tokens from position {start} does not fit key {key} "
                              f"(buffers of {self.cache.max_len} positions)")
         self._stage_prompt(prompt, slot, pad_id, length, start)
@@ -518,7 +533,7 @@ class SlotDecoder:
         graph = self._mixed_runs[key]
         if graph is None:  # no CUDA (tests): the same pass on the same padded buffers, run directly
             with torch.compiler.set_stance("fail_on_recompile"):
-                self._mixed_fn()(ids[:length].view(1, length), slot_ids, last, first, rows, span)
+                self._mixed_fn()(ids[:length].view(1, length), slot_ids, last, first, rows, span, resumes)
         else:
             graph.replay()
         logits, chosen, lp = self._mixed_out
@@ -527,7 +542,7 @@ class SlotDecoder:
     def _mixed_fn(self):
         return self._mixed_compiled if self._mixed_compiled is not None else self._mixed_pass
 
-    def _mixed_pass(self, ids, slot_ids, last, start, rows: int, span: int):
+    def _mixed_pass(self, ids, slot_ids, last, start, rows: int, span: int, resumes: bool):
         import torch
 
         n = ids.shape[1]
@@ -536,10 +551,12 @@ class SlotDecoder:
         pos = self.positions[:rows]
         mask = self._row_mask(pos, span)
         prompt_pos = start + torch.arange(n, device=ids.device)
-        # additive, in the activations' dtype, built once for all layers (a boolean mask is converted per call)
-        seen = (self.span_ids[:span].unsqueeze(0) <= prompt_pos.unsqueeze(1)).repeat(self._heads_per_kv, 1)
-        prompt_mask = torch.zeros(seen.shape, dtype=self.lm_head.weight.dtype, device=ids.device).masked_fill(
-            ~seen, float("-inf"))
+        prompt_mask = None
+        if resumes:
+            # additive, in the activations' dtype, built once for all layers (a boolean one is converted per call)
+            seen = (self.span_ids[:span].unsqueeze(0) <= prompt_pos.unsqueeze(1)).repeat(self._heads_per_kv, 1)
+            prompt_mask = torch.zeros(seen.shape, dtype=self.lm_head.weight.dtype, device=ids.device).masked_fill(
+                ~seen, float("-inf"))
         hidden = self.decoder(
             input_ids=torch.cat([ids, self.tokens[:rows].unsqueeze(0)], dim=1),
             position_ids=torch.cat([prompt_pos, pos]).unsqueeze(0),
@@ -566,7 +583,9 @@ class SlotDecoder:
 
     def compile_mixed_pass(self) -> None:
         """torch.compile the mixed pass (dynamic shapes) and run it once, at the most rows and the longest
-        span, so the compile happens before ready; every captured (prompt, rows, span) reuses it."""
+        span, so the compile happens before ready; every captured (prompt, rows, span) reuses it. With
+        chunked prefill (``mixed_chunk_tokens``) also the form for chunks after a prompt's first: a compile
+        of its own (Dynamo specialises on the flag)."""
         import torch
 
         t0 = time.monotonic()
@@ -576,10 +595,12 @@ class SlotDecoder:
         try:
             # a prompt length no row count or span equals, so none of them is specialised to another
             n = 37
-            compiled(torch.ones((1, n), dtype=torch.long, device=self.device),
-                     torch.zeros(1, dtype=torch.long, device=self.device),
-                     torch.full((1,), n - 1, dtype=torch.long, device=self.device),
-                     torch.zeros(1, dtype=torch.long, device=self.device), self.mixed_rows[-1], self.spans[-1])
+            for resumes in (False, True) if self.mixed_chunk_tokens else (False,):
+                compiled(torch.ones((1, n), dtype=torch.long, device=self.device),
+                         torch.zeros(1, dtype=torch.long, device=self.device),
+                         torch.full((1,), n - 1, dtype=torch.long, device=self.device),
+                         torch.zeros(1, dtype=torch.long, device=self.device), self.mixed_rows[-1], self.spans[-1],
+                         resumes)
         except Exception as e:  # noqa: BLE001 - without it, mixed passes are captured uncompiled
             self.mixed_compile_error = f"{type(e).__name__}: {str(e)[:300]}"
             log.warning("torch.compile of the mixed pass failed, capturing it uncompiled: %s", self.mixed_compile_error)
@@ -602,7 +623,8 @@ class SlotDecoder:
 
     def capture_mixed_graphs(self) -> None:
         """Captures the mixed pass for every prompt length up to ``mixed_graph_tokens`` (multiples of
-        PREFILL_GRAPH_STEP, as the one-prompt graphs), row count and span. Without CUDA the keys run the
+        PREFILL_GRAPH_STEP, as the one-prompt graphs), row count and span, and with chunked prefill the form
+        for later chunks at every length up to ``mixed_chunk_tokens``. Without CUDA the keys run the
         pass directly on the same padded buffers, so CPU tests check it. A failed capture leaves separate
         prefill and decode passes, which is correct."""
         import torch
@@ -616,8 +638,9 @@ class SlotDecoder:
         self._alloc_prompt_staging()
         ids, slot_ids, last, first = self._prefill_in[:4]
         fn = self._mixed_fn()
-        keys = [(length, rows, span) for length in lengths for rows in self.mixed_rows for span in self.spans]
-        runs: dict[tuple[int, int, int], object] = {}
+        keys = [(length, rows, span, resumes) for length in lengths for rows in self.mixed_rows for span in self.spans
+                for resumes in (False, True) if not resumes or length <= self.mixed_chunk_tokens]
+        runs: dict[tuple[int, int, int, bool], object] = {}
         try:
             if self.device.type != "cuda":
                 runs = dict.fromkeys(keys)
@@ -628,18 +651,19 @@ class SlotDecoder:
                 # 0's first positions and the rows' position 0, which no sequence owns yet
                 slot_ids.zero_()
                 first.zero_()
-                for length, rows, span in sorted(keys, reverse=True):
+                for key in sorted(keys, reverse=True):
+                    length, rows, span, resumes = key
                     last.fill_(length - 1)
-                    args = (ids[:length].view(1, length), slot_ids, last, first, rows, span)
+                    args = (ids[:length].view(1, length), slot_ids, last, first, rows, span, resumes)
                     try:
                         with torch.compiler.set_stance("fail_on_recompile"):
-                            runs[(length, rows, span)] = capture_graph(lambda a=args: fn(*a), pool, stream)[0]
+                            runs[key] = capture_graph(lambda a=args: fn(*a), pool, stream)[0]
                     except RuntimeError as e:
                         # a key the compile does not cover (dynamo raises before anything runs): that one runs
                         # as separate passes, the others stay
                         if "fail_on_recompile" not in str(e):
                             raise
-                        self.mixed_graph_error = self.mixed_graph_error or f"{(length, rows, span)}: {str(e)[:300]}"
+                        self.mixed_graph_error = self.mixed_graph_error or f"{key}: {str(e)[:300]}"
                 torch.cuda.synchronize()
                 self.positions.zero_()
                 # the pool is the prefill graphs': what the GPU gave beyond it (0 on the 7B, run 61)
