@@ -263,8 +263,8 @@ def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
             longest = max(running.values()) + 1
             logits, chosen, lp = (t.clone() for t in eager._step(rows, longest))
             want_prompt = eager.prefill([prompt], [slot], 0)
-            key = compiled.mixed_key(n, rows, max(longest, n))  # the prompt attends over its slot: the span covers it
-            assert key == (64 if n <= 64 else 128, 8, next(s for s in compiled.spans if s >= max(longest, n)), False)
+            key = compiled.mixed_key(n, rows, longest)  # the prompt attends over itself: the span is the rows'
+            assert key == (64 if n <= 64 else 128, 8, next(s for s in compiled.spans if s >= longest), False)
             got_prompt, (got_logits, got_chosen, got_lp) = compiled.mixed(key, prompt, slot, 3)
             torch.testing.assert_close(got_prompt, want_prompt, rtol=1e-4, atol=1e-4)
             for r in running:
@@ -336,8 +336,10 @@ def test_a_prompt_prefilled_in_chunks_inside_decode_steps_leaves_what_one_prefil
             else:
                 start, end = chunk
                 want = tuple(t.clone() for t in eager._step(5, longest))
-                key = compiled.mixed_key(end - start, 5, max(longest, end), resumes=start > 0)
-                assert key == (64, 8, next(s for s in compiled.spans if s >= max(longest, end)), start > 0)
+                # a later chunk attends over its slot: its span covers it too
+                span = max(longest, end) if start else longest
+                key = compiled.mixed_key(end - start, 5, span, resumes=start > 0)
+                assert key == (64, 8, next(s for s in compiled.spans if s >= span), start > 0)
                 prompt_logits, step = compiled.mixed(key, prompt[start:end], slot, 0, start=start)
                 rows_match(step, want)
                 assert compiled.positions[slot] == start + 64  # past the chunk, padding included
@@ -362,7 +364,7 @@ def test_a_prompt_prefilled_in_chunks_inside_decode_steps_leaves_what_one_prefil
         with pytest.raises(ValueError, match="does not fit"):
             compiled.mixed((64, 8, 128, True), [1] * 64, slot, 0, start=100)
         with pytest.raises(ValueError, match="does not fit"):
-            compiled.mixed((64, 8, 32, False), [1] * 40, slot, 0, start=0)
+            compiled.mixed((64, 8, 32, True), [1] * 40, slot, 0, start=64)
         with pytest.raises(ValueError, match="does not fit"):
             compiled.mixed((64, 8, 128, False), [1] * 40, slot, 0, start=64)
         with pytest.raises(ValueError, match="does not fit"):

@@ -576,7 +576,7 @@ class HFEngine(HFTokenization, Engine):
             return False
         rows, longest = self._rows_and_span(busy)
         # the first chunk's pass and the later chunks' (captured for the chunk size the engine started with)
-        if (not self._slots.chunks_fit(n) or self._slots.mixed_key(chunk, rows, max(longest, chunk)) is None
+        if (not self._slots.chunks_fit(n) or self._slots.mixed_key(chunk, rows, longest) is None
                 or self._slots.mixed_key(min(chunk, n - chunk), rows, max(longest, n), resumes=True) is None):
             return False
         import heapq
@@ -608,7 +608,8 @@ class HFEngine(HFTokenization, Engine):
         end = start + len(chunk)
         busy = self._decoding()
         rows, longest = self._rows_and_span(busy) if busy else (0, 0)
-        key = self._slots.mixed_key(len(chunk), rows, max(longest, end), resumes=start > 0)
+        # a later chunk attends over its slot: its span covers the chunk too
+        key = self._slots.mixed_key(len(chunk), rows, max(longest, end) if start else longest, resumes=start > 0)
         if key is None:  # mixed passes switched off on a live engine (a benchmark's compare)
             raise EngineError("chunked prefill lost its mixed passes")
         prompt_logits, step = self._slots.mixed(key, chunk, seq.slot, self._pad_id, start=start)
@@ -634,8 +635,7 @@ class HFEngine(HFTokenization, Engine):
             return False
         rows, span = self._rows_and_span(busy)
         seq = new[0]
-        # the prompt attends over its slot: the span covers it too
-        key = self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, max(span, len(seq.req.prompt_token_ids)))
+        key = self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, span)
         if key is None:
             return False
         self._start_static(new)

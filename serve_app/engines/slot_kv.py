@@ -504,8 +504,8 @@ class SlotDecoder:
 
     def mixed(self, key: tuple[int, int, int, bool], prompt: list[int], slot: int, pad_id: int, start: int = 0):
         """Prefills ``prompt`` into ``slot`` from position ``start`` on and runs a decode step of rows
-        0..rows-1 in one captured pass (``key`` from mixed_key, for ``len(prompt)`` tokens, a span that covers
-        ``start + len(prompt)``, and resuming if ``start`` is not 0). ``prompt`` is a whole prompt (``start``
+        0..rows-1 in one captured pass (``key`` from mixed_key, for ``len(prompt)`` tokens, resuming if ``start``
+        is not 0, with a span that covers the rows and, resuming, ``start + len(prompt)``). ``prompt`` is a whole prompt (``start``
         0) or one chunk of it, after the chunks before it (chunked prefill): a chunk that is not the last must
         be a multiple of
         PREFILL_GRAPH_STEP long, so it has no padding. The prompt's slot must stay free until its last chunk
@@ -524,7 +524,9 @@ class SlotDecoder:
         import torch
 
         length, rows, span, resumes = key
-        if start + length > self.cache.max_len or start + len(prompt) > span or resumes != (start > 0):
+        # a later chunk attends over its slot up to the span; a prompt from position 0 over its own keys
+        if (start + length > self.cache.max_len or resumes != (start > 0)
+                or (resumes and start + len(prompt) > span)):
             raise ValueError(f"a mixed pass of {len(prompt)} tokens from position {start} does not fit key {key} "
                              f"(buffers of {self.cache.max_len} positions)")
         self._stage_prompt(prompt, slot, pad_id, length, start)
