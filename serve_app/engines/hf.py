@@ -492,10 +492,8 @@ class HFEngine(HFTokenization, Engine):
         reserved = sum(s.reserved_tokens for s in self._running)
         longest = 0
         opts = self.options
-        while self._waiting and len(self._running) + len(new) < opts.max_num_seqs:
+        while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), reserved):
             seq = self._waiting[0]
-            if reserved + seq.reserved_tokens > opts.max_kv_tokens:
-                break
             n = len(seq.req.prompt_token_ids)
             if new and (len(new) + 1) * max(longest, n) > opts.max_prefill_tokens:
                 break
@@ -504,6 +502,11 @@ class HFEngine(HFTokenization, Engine):
             reserved += seq.reserved_tokens
             longest = max(longest, n)
         return new
+
+    def _room_for(self, seq: _Seq, running: int, reserved: int) -> bool:
+        """A row and KV room for ``seq`` beside ``running`` sequences that reserve ``reserved`` tokens."""
+        return (running < self.options.max_num_seqs
+                and reserved + seq.reserved_tokens <= self.options.max_kv_tokens)
 
     def _iteration(self) -> None:
         if self._slots is not None:
@@ -544,17 +547,20 @@ class HFEngine(HFTokenization, Engine):
     def _start_static(self, new: list[_Seq]) -> None:
         """Gives the admitted sequences their slots; they run from now on: if their pass fails, they fail with
         the batch and their slots are freed."""
-        import heapq
-
         now = time.monotonic()
         for s in new:
-            s.queue_time_s = now - s.submitted_s
-            s.slot = heapq.heappop(self._free)
+            self._give_slot(s, now)
             s.pos = len(s.req.prompt_token_ids)
         self._running.extend(new)
         self._stats.forward_passes += 1
         self._stats.prefill_passes += 1
         self._stats.prompt_tokens += sum(s.pos for s in new)
+
+    def _give_slot(self, seq: _Seq, now: float) -> None:
+        import heapq
+
+        seq.queue_time_s = now - seq.submitted_s
+        seq.slot = heapq.heappop(self._free)
 
     def _start_chunked(self) -> bool:
         """Takes the first waiting prompt for chunked prefill (mixed_chunk_tokens), if it is longer than a
@@ -571,19 +577,15 @@ class HFEngine(HFTokenization, Engine):
         busy = self._decoding()
         if n <= chunk or not busy or not all(s.fast_sampling for s in busy):
             return False
-        if len(self._running) >= self.options.max_num_seqs or (
-                sum(s.reserved_tokens for s in self._running) + seq.reserved_tokens > self.options.max_kv_tokens):
+        if not self._room_for(seq, len(self._running), sum(s.reserved_tokens for s in self._running)):
             return False
         rows, longest = self._rows_and_span(busy)
         # the first chunk's pass and the later chunks' (captured for the chunk size the engine started with)
         if (not self._slots.chunks_fit(n) or self._slots.mixed_key(chunk, rows, longest) is None
                 or self._slots.mixed_key(min(chunk, n - chunk), rows, max(longest, n), resumes=True) is None):
             return False
-        import heapq
-
         self._waiting.popleft()
-        seq.queue_time_s = time.monotonic() - seq.submitted_s
-        seq.slot = heapq.heappop(self._free)
+        self._give_slot(seq, time.monotonic())
         seq.pos, seq.prefilling = 0, True
         # running from now on: if a pass fails, it fails with the batch and its slot is freed
         self._running.append(seq)
@@ -617,15 +619,10 @@ class HFEngine(HFTokenization, Engine):
         self._stats.prefill_passes += 1
         self._stats.prompt_tokens += len(chunk)
         seq.pos = end
-        launched = self._after_launch(busy, rows, *(t[:rows] for t in step))
-        self._read_inflight()  # the previous step's tokens
-        self._inflight = launched
         if end == len(prompt):
             self._chunked = None
             seq.prefilling = False
-            self._first_tokens([seq], prompt_logits)  # waits for the pass, as _mixed_static
-        if self._slots.device.type != "cuda":
-            self._read_inflight()
+        self._after_mixed(busy, rows, step, prompt_logits, [seq] if end == len(prompt) else [])
 
     def _mixed_static(self, new: list[_Seq]) -> bool:
         """One new prompt and the running rows' decode step in one captured pass (SlotDecoder.mixed), if one
@@ -640,15 +637,20 @@ class HFEngine(HFTokenization, Engine):
             return False
         self._start_static(new)
         prompt_logits, step = self._slots.mixed(key, seq.req.prompt_token_ids, seq.slot, self._pad_id)
+        self._after_mixed(busy, rows, step, prompt_logits, new)
+        return True
+
+    def _after_mixed(self, busy: list[_Seq], rows: int, step, prompt_logits, prompted: list[_Seq]) -> None:
+        """After a mixed pass is queued: its rows' tokens in flight while the previous step's are read, then
+        the first token of ``prompted`` (the sequence whose prompt the pass finished, if it did); this waits for
+        the pass, and its token then overwrites what the pass left in the (then free) slot's row."""
         launched = self._after_launch(busy, rows, *(t[:rows] for t in step))
         self._read_inflight()  # the previous step's tokens
         self._inflight = launched
-        # the prompt's first token; this waits for the pass, and its token then overwrites what the pass left
-        # in the (then free) slot's row
-        self._first_tokens(new, prompt_logits)
+        if prompted:
+            self._first_tokens(prompted, prompt_logits)
         if self._slots.device.type != "cuda":
             self._read_inflight()
-        return True
 
     def _prefill_static(self, new: list[_Seq]) -> None:
         self._start_static(new)
