@@ -272,14 +272,20 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     span = next(s for s in slots.spans if s >= 640)
     length = prefill_graph_padding(prompt_len)
     out = {}
-    if slots._prefill_in is not None:
+    def stage(chunk: int) -> None:
+        # the staged chunk start and last position are the last served pass's: a start from position 0 fits
+        # every graph, and the last position must lie inside this graph's prompt (a 511 left by a whole
+        # prompt, read by a 64-token graph, is a device assert: run 70)
         import torch
 
         with torch.inference_mode():
-            slots._prefill_in[3].zero_()  # a chunk's start, left by the last pass served: from position 0 it fits
+            slots._prefill_in[3].zero_()
+            slots._prefill_in[2].fill_(chunk - 1)
+
     for rows in (16, 32, 64):
         graph = slots._mixed_runs.get((length, bucket(rows, slots.mixed_rows), span, False))
         if graph is not None:
+            stage(length)
             out[f"mixed_{rows}"] = round(time_replay_ms(graph, reps, warmup=2), 3)
     # each captured length with 64 rows, from a prompt's first position (chunk_) and as a later chunk (resume_;
     # mixed_chunk_tokens): what a pass costs against its M rows. Until 2026-12-04's run 69 chunk_ was the later
@@ -288,11 +294,13 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     for chunk, resumes in sorted({(k[0], k[3]) for k in slots._mixed_runs}):
         graph = slots._mixed_runs.get((chunk, rows64, span, resumes))
         if graph is not None and (resumes or chunk != length):
+            stage(chunk)
             out[f"{'resume' if resumes else 'chunk'}_{chunk}_64"] = round(time_replay_ms(graph, reps, warmup=2), 3)
     if os.environ.get("SEEKSERVE_PROFILE_MIXED"):
         profile_replays({f"{'resume' if r else 'chunk'}_{c}_64": slots._mixed_runs.get((c, rows64, span, r))
                          for c in (256, 448, 512) for r in (False, True)}
-                        | {"decode_64": slots.graphs[(bucket(64, slots.batch_sizes), span)][0]})
+                        | {"decode_64": slots.graphs[(bucket(64, slots.batch_sizes), span)][0]},
+                        prepare=lambda name: stage(int(name.split("_")[1])) if name != "decode_64" else None)
     prefill = slots._prefill_runs.get(length)
     if prefill is not None and prefill[0] is not None:
         out["prefill_one_prompt"] = round(time_replay_ms(prefill[0], reps, warmup=2), 3)
@@ -302,15 +310,17 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     return out
 
 
-def profile_replays(graphs: dict, reps: int = 5) -> None:
+def profile_replays(graphs: dict, reps: int = 5, prepare=None) -> None:
     """Prints each graph's kernels by GPU time (torch.profiler over ``reps`` replays): where a pass's time
-    goes beyond its GEMMs."""
+    goes beyond its GEMMs. ``prepare(name)`` stages a graph's inputs before its replays."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     for name, graph in graphs.items():
         if graph is None:
             continue
+        if prepare is not None:
+            prepare(name)
         graph.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
