@@ -280,6 +280,7 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     span = next(s for s in slots.spans if s >= 640)
     length = prefill_graph_padding(prompt_len)
     out = {}
+
     def stage(chunk: int) -> None:
         # the staged chunk start and last position are the last served pass's: a start from position 0 fits
         # every graph, and the last position must lie inside this graph's prompt (a 511 left by a whole
