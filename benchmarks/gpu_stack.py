@@ -104,6 +104,13 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> di
         out["single"] = {"decode_step_ms": 1000 * steps[1],
                          "ttft_ms": 1000 * sorted(r["ttft_s"] for r in singles)[1],
                          "ttft_via_handle_ms": await handle_first_token_ms(prompt(), args.output)}
+        if args.warm_rounds:
+            # as gpu_engine.py's: one discarded load first (the first load after the start ran slower), with
+            # prompts of its own so the measured loads draw the ids they drew before
+            wrng = random.Random(1)
+            await concurrent_load(lambda i, p: http_one(client, url, model, p, args.output), 64,
+                                  lambda: [wrng.randrange(1000, 40000) for _ in range(args.prompt)], wrng,
+                                  args.warm_rounds)
         for key, conc, rounds, _ in loads(args):
             t0_ns = time.time_ns()
             out[key] = await concurrent_load(
@@ -314,6 +321,9 @@ def main() -> None:
     p.add_argument("--steady-rounds", type=int, default=0,
                    help="requests per stream of a longer 64-concurrent load after the others (0: none), "
                         "against gpu_engine.py's of the same name")
+    p.add_argument("--warm-rounds", type=int, default=1,
+                   help="requests per stream of a 64-concurrent load run and discarded before the measured ones, "
+                        "as gpu_engine.py's (0: none, as every run before 2026-12-04's fourteenth session)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     p.add_argument("--report", nargs="+", metavar="STACK_JSON",
                    help="run nothing: print the table of these raw stack files against --engine-json (the "
