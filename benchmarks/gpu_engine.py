@@ -175,13 +175,8 @@ async def run(args) -> dict:
         save()
 
     if args.warm_rounds:
-        # in runs 68, 70 and 71 the arm measured first after the start was the slower by 1-3 %, as much as
-        # the options compared differ: the order or the options, not told apart. One discarded load first takes
-        # the start out of the first arm; its prompts come from an RNG of their own, so the measured loads
-        # draw the same ids as before
-        wrng = random.Random(1)
-        await load("warm_load", 64, "w", args.warm_rounds,
-                   draw=lambda: [wrng.randrange(1000, 40000) for _ in range(args.prompt)], draw_rng=wrng)
+        draw, draw_rng = warm_prompts(args.prompt)
+        await load("warm_load", 64, "w", args.warm_rounds, draw=draw, draw_rng=draw_rng)
     for conc in (32, 64):
         await load(f"concurrency_{conc}", conc, f"c{conc}")
     if args.steady_rounds:
@@ -282,14 +277,10 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     out = {}
 
     def stage(chunk: int) -> None:
-        # the staged chunk start and last position are the last served pass's: a start from position 0 fits
-        # every graph, and the last position must lie inside this graph's prompt (a 511 left by a whole
-        # prompt, read by a 64-token graph, is a device assert: run 70)
-        import torch
-
-        with torch.inference_mode():
-            slots._prefill_in[3].zero_()
-            slots._prefill_in[2].fill_(chunk - 1)
+        # the staged inputs are the last served pass's: a whole prompt's last position (511) read by a
+        # 64-token graph is a device assert (run 70). Staged as at capture instead: slot 0 (free, the engine
+        # idle), from position 0, this graph's length
+        slots._stage_prompt([0] * chunk, 0, 0, chunk)
 
     for rows in (16, 32, 64):
         graph = slots._mixed_runs.get((length, bucket(rows, slots.mixed_rows), span, False))
@@ -374,6 +365,15 @@ def first_wave_arrivals(conc: int, span_s: float = FIRST_WAVE_SPAN_S, seed: int 
         t += g * span_s / total
         out.append(t)
     return out
+
+
+def warm_prompts(prompt_len: int):
+    """(draw, rng) for the discarded warm-up load both GPU benchmarks run before their measured ones
+    (--warm-rounds). Why: in runs 68, 70 and 71 the arm measured first after the start was the slower by
+    1-3 %, as much as the options compared differ: the order or the options, not told apart. Its RNG is its
+    own, so the measured loads draw the ids they drew before."""
+    rng = random.Random(1)
+    return (lambda: [rng.randrange(1000, 40000) for _ in range(prompt_len)]), rng
 
 
 async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict:

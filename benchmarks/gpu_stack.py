@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import _option, build_model_dir, concurrent_load, engine_options  # noqa: E402
+from benchmarks.gpu_engine import (  # noqa: E402
+    _option, build_model_dir, concurrent_load, engine_options, warm_prompts)
 from benchmarks.loadgen import (  # noqa: E402
     add_engine_process_arg,
     add_http_proxy_arg,
@@ -105,12 +106,8 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> di
                          "ttft_ms": 1000 * sorted(r["ttft_s"] for r in singles)[1],
                          "ttft_via_handle_ms": await handle_first_token_ms(prompt(), args.output)}
         if args.warm_rounds:
-            # as gpu_engine.py's: one discarded load first (the first load after the start ran slower), with
-            # prompts of its own so the measured loads draw the ids they drew before
-            wrng = random.Random(1)
             await concurrent_load(lambda i, p: http_one(client, url, model, p, args.output), 64,
-                                  lambda: [wrng.randrange(1000, 40000) for _ in range(args.prompt)], wrng,
-                                  args.warm_rounds)
+                                  *warm_prompts(args.prompt), args.warm_rounds)
         for key, conc, rounds, _ in loads(args):
             t0_ns = time.time_ns()
             out[key] = await concurrent_load(
