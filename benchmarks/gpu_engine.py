@@ -279,8 +279,12 @@ def mixed_replay_ms(slots, prompt_len: int, reps: int = 20) -> dict:
     def stage(chunk: int) -> None:
         # the staged inputs are the last served pass's: a whole prompt's last position (511) read by a
         # 64-token graph is a device assert (run 70). Staged as at capture instead: slot 0 (free, the engine
-        # idle), from position 0, this graph's length
-        slots._stage_prompt([0] * chunk, 0, 0, chunk)
+        # idle), from position 0, this graph's length. In inference mode, as the engine stages: the staging
+        # buffers were made in it, and an in-place write to them outside it raises (run 73)
+        import torch
+
+        with torch.inference_mode():
+            slots._stage_prompt([0] * chunk, 0, 0, chunk)
 
     for rows in (16, 32, 64):
         graph = slots._mixed_runs.get((length, bucket(rows, slots.mixed_rows), span, False))
