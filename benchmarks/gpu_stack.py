@@ -156,6 +156,11 @@ def first_token_breakdown(trace_file: Path, window_ns: list[int]) -> dict:
             **{f"{leg}_p95_ms": percentile(xs, 95) for leg, xs in legs.items()}}
 
 
+def engine_process_resolved(res: dict) -> str:
+    """What the layout was ("auto" picks one in the replica): only the engine's own process has a pid."""
+    return "separate" if (res.get("warm_up") or {}).get("engine_process_pid") else "inline"
+
+
 def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "inline",
               ingress: str = "separate") -> dict:
     """Start Ray with `proxy` as Serve's HTTP data path, deploy (the engine in the replica's process or
@@ -218,8 +223,10 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     res["replica_gc"] = stats.get("gc")  # the LLM server process's collections since its constructor
     res["engine_process_gc"] = stats.get("engine_process_gc")  # with --engine-process separate
     res["warm_up"] = stats.get("warm_up")
-    # what the layout was ("auto" picks one in the replica): only the engine's own process has a pid
-    res["engine_process_resolved"] = "separate" if (res["warm_up"] or {}).get("engine_process_pid") else "inline"
+    res["engine_process_resolved"] = engine_process_resolved(res)
+    # before Serve's shutdown: on 2026-12-04 (run 74) it outlasted the call's limit, and the loads were only in
+    # a partial file without these stats
+    checkpoint({})
     if args.trace:
         time.sleep(2)  # the replicas' span processors export every 0.5 s
     serve.shutdown()
@@ -337,6 +344,7 @@ def main() -> None:
             alone = {**alone, **{k[: -len(suffix)]: v for k, v in alone.items() if k.endswith(suffix)}}
         for f in args.report:
             res = json.loads(Path(f).read_text())
+            res.setdefault("engine_process_resolved", engine_process_resolved(res))  # a partial file lacks it
             # the header's settings are the run's own
             args.stream_interval_ms = res["stream_interval_ms"]
             print_report(res, alone, args)

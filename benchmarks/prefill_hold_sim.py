@@ -35,6 +35,12 @@ from serve_app.engines.prefill_policy import PrefillContext, hold_prefill  # noq
 
 STEP_MS = {1: 4.74, 8: 4.87, 32: 5.52, 64: 6.04}  # decode graph replay by rows, span 768
 PREFILL_MS = {1: 13.9, 4: 41.7, 16: 157.2}  # compiled prefill pass by 512-token prompts
+# 2026-12-04, run 71 (machine U, docs/gpu_notes.md): the engine with mixed_graph_tokens=512, each pass replayed
+# alone at span 768. One waiting prompt and decoding rows share one captured mixed pass (by rows); more
+# prompts go into one prefill pass, as the engine admits them (hf.py, _mixed_static)
+MIXED_PRICES = {"step": {1: 4.69, 8: 4.80, 16: 5.04, 32: 5.39, 64: 5.85},
+                "prefill": {1: 12.59, 4: 39.32, 16: 153.39},
+                "mixed": {16: 13.29, 32: 15.81, 64: 16.73}}
 
 
 def interp(table: dict[int, float], x: int) -> float:
@@ -59,11 +65,19 @@ def _old_wave(rng: random.Random, conc: int) -> list[float]:
 def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output: int = 128,
              max_prefill_tokens: int = 2048, seed: int = 0, rows: int = 64, min_running: float = 0.5,
              arrivals: list[float] | None = None, return_delay_s: tuple[float, float] = (0.0, 0.0),
-             release_at_wave_end: bool = False) -> dict:
+             release_at_wave_end: bool = False, prices: dict | None = None,
+             one_per_mixed: bool = False) -> dict:
     """`return_delay_s`: a stream's next request arrives this long (uniform in the range) after its last
     one finished: the round trip through a client and the serving stack, which the engine alone lacks.
     `release_at_wave_end`: no next request before the first wave's last arrival, as the benchmarks'
-    load sent them until 2026-12-03 (after run 43; docs/gpu_notes.md, "The TTFT tail at 32")."""
+    load sent them until 2026-12-03 (after run 43; docs/gpu_notes.md, "The TTFT tail at 32").
+    `prices`: pass times (ms) by rows or prompts, {"step", "prefill"[, "mixed"]}; with "mixed", one admitted
+    prompt and the running rows' decode step are one pass (MIXED_PRICES). Default: STEP_MS and PREFILL_MS.
+    `one_per_mixed`: with mixed prices, admit one prompt per pass while rows decode (a variant of the loop
+    the engine does not have: there a pass takes every waiting prompt up to max_prefill_tokens)."""
+    step_ms = (prices or {}).get("step", STEP_MS)
+    prefill_ms = (prices or {}).get("prefill", PREFILL_MS)
+    mixed_ms = (prices or {}).get("mixed")
     delay_rng = random.Random(1)
     if arrivals is None:
         # the hold figures in docs/gpu_notes.md runs 32 and 36 came from this wave
@@ -89,18 +103,28 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
             oldest_waited_steps=passes - waiting[0][2] if waiting else 0,
             max_prefill_tokens=max_prefill_tokens, max_wait_steps=wait_steps, max_rows=rows,
             min_running=min_running))[0]
+        decoding = list(running)
         if waiting and not held:
-            take = waiting[: max(1, max_prefill_tokens // prompt)]
+            take = waiting[: 1 if mixed_ms and one_per_mixed and decoding else max(1, max_prefill_tokens // prompt)]
             del waiting[: len(take)]
-            now += interp(PREFILL_MS, len(take)) / 1000
-            passes += 1
             prefills += 1
+            passes += 1
+            if mixed_ms and len(take) == 1 and decoding:
+                now += interp(mixed_ms, len(decoding)) / 1000
+                decoding_done = True
+            else:
+                now += interp(prefill_ms, len(take)) / 1000
+                decoding_done = False
             for a, i, _ in take:
                 running[i] = [a, now, 1]
-        if running:
-            now += interp(STEP_MS, len(running)) / 1000
-            passes += 1
-            for i in list(running):
+        else:
+            decoding_done = False
+        if decoding_done or running:
+            if not decoding_done:
+                decoding = list(running)
+                now += interp(step_ms, len(running)) / 1000
+                passes += 1
+            for i in decoding:
                 r = running[i]
                 r[2] += 1
                 if r[2] >= output:
@@ -139,22 +163,33 @@ def old_first_waves(prompts_before: int, prompt: int = 512) -> dict[int, list[fl
     return waves
 
 
-def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: list[int]) -> None:
-    """What holding prompts does to TTFT when the next requests come back through a stack (jittered)."""
+def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: list[int],
+                        mixed: bool = False, steady_rounds: int = 10, one_per_mixed: bool = False) -> None:
+    """What holding prompts does to TTFT when the next requests come back through a stack (jittered).
+    `mixed`: priced as the engine with mixed passes (MIXED_PRICES), with a `steady_rounds` load too."""
     from benchmarks.gpu_engine import first_wave_arrivals
 
+    loads = [(32, 3), (64, 3)] + ([(64, steady_rounds)] if mixed and steady_rounds else [])
     rows = []
     for lo, hi in delays_ms:
-        for conc in (32, 64):
+        for conc, rounds in loads:
             for w in waits:
-                r = simulate(conc, 3, w, arrivals=first_wave_arrivals(conc), return_delay_s=(lo / 1000, hi / 1000))
+                r = simulate(conc, rounds, w, arrivals=first_wave_arrivals(conc), return_delay_s=(lo / 1000, hi / 1000),
+                             prices=MIXED_PRICES if mixed else None, one_per_mixed=one_per_mixed)
                 rows.append({"return_delay_ms": [lo, hi], **r})
-    (out / "prefill_hold_sim_return_delay.json").write_text(json.dumps(rows, indent=2))
-    print("model (not a measurement), min running 0.5, 3 requests per stream, today's first wave")
-    print(f"{'return delay ms':<16}{'conc':>5}{'wait':>5}{'tok/s':>8}{'TTFT p50':>10}{'p95':>7}{'prefill':>8}")
+    name = ("prefill_hold_sim_return_delay" + ("_mixed" if mixed else "") + ("_one_per_pass" if one_per_mixed else "")
+            + ".json")
+    (out / name).write_text(json.dumps(rows, indent=2))
+    print(f"model (not a measurement), min running 0.5, today's first wave, "
+          f"{'mixed passes priced by run 71' if mixed else 'no mixed passes'}"
+          f"{', one prompt per mixed pass' if one_per_mixed else ''}")
+    print(f"{'return delay ms':<16}{'load':>8}{'wait':>5}{'tok/s':>8}{'in flight':>10}{'TTFT p50':>10}{'p95':>7}"
+          f"{'prefill':>8}")
     for r in rows:
         lo, hi = r["return_delay_ms"]
-        print(f"{f'{lo:g}-{hi:g}':<16}{r['conc']:>5}{r['wait_steps']:>5}{r['output_tok_s']:>8.0f}"
+        fw = f"{r['full_window_tok_s']:.0f}" if r["full_window_tok_s"] else "-"
+        load = f"{r['conc']}x{r['rounds']}"
+        print(f"{f'{lo:g}-{hi:g}':<16}{load:>8}{r['wait_steps']:>5}{r['output_tok_s']:>8.0f}{fw:>10}"
               f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
 
 
@@ -205,7 +240,13 @@ def main() -> None:
     p.add_argument("--return-delay-ms", nargs="+", metavar="LO,HI",
                    help="only model TTFT and tok/s at waits --waits when each stream's next request comes back "
                         "LO-HI ms after its last finished (e.g. 0,0 10,40 20,80)")
+    p.add_argument("--mixed", action="store_true",
+                   help="with --return-delay-ms: price the passes as the engine with mixed passes (run 71)")
+    p.add_argument("--one-per-mixed", action="store_true",
+                   help="with --mixed: model a loop that admits one prompt per pass while rows decode")
     args = p.parse_args()
+    if args.one_per_mixed and not args.mixed:
+        p.error("--one-per-mixed models mixed passes: it needs --mixed")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.schedules:
@@ -216,7 +257,8 @@ def main() -> None:
         return
     if args.return_delay_ms:
         return_delay_report(out, [tuple(float(x) for x in d.split(",")) for d in args.return_delay_ms],
-                            [int(x) for x in args.waits.split(",")])
+                            [int(x) for x in args.waits.split(",")], mixed=args.mixed,
+                            steady_rounds=args.steady_rounds, one_per_mixed=args.one_per_mixed)
         return
     rows = [simulate(conc, rounds, w, min_running=m) for conc, rounds in ((32, 3), (64, 3), (64, args.steady_rounds))
             for m in (float(x) for x in args.min_running.split(","))

@@ -72,3 +72,45 @@ def test_the_stack_report_reads_raw_files_against_the_engine_and_its_compare(mon
     out = capsys.readouterr().out
     # the engine column is the engine's loads without the graphs, not its defaults
     assert "4269      4506  95 % of engine" in out and "+116.9 ms" in out
+
+
+def test_the_stack_report_reads_a_partial_file_cut_before_serve_shut_down(monkeypatch, capsys):
+    # run 74's call ran out in Serve's shutdown: its loads are only in the partial file, which lacks the stats
+    # read after them (which process the engine ran in)
+    import sys
+    from pathlib import Path
+
+    from benchmarks import gpu_stack
+
+    r = f"{Path(__file__).resolve().parent.parent / 'docs' / 'results'}/"
+    monkeypatch.setattr(sys, "argv", [
+        "gpu_stack.py", "--concurrency", "32", "64", "--steady-rounds", "10",
+        "--engine-json", r + "gpu_engine-h200-2026-12-04-221f185-W-mixed512-warm1.json",
+        "--report", r + "gpu_stack-h200-2026-12-04-221f185-X-haproxy-direct-mixed512-partial.json"])
+    gpu_stack.main()
+    out = capsys.readouterr().out
+    assert "engine in its own process" in out
+    assert "5011      5097  98 % of engine" in out and "+29.6 ms" in out
+
+
+def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
+    from benchmarks.prefill_hold_sim import simulate
+
+    # stream 0 alone: a 10 ms prefill, then 1 ms steps; stream 1 arrives 0.5 ms in and waits for the loop
+    prices = {"step": {1: 1.0, 64: 1.0}, "prefill": {1: 10.0, 4: 10.0, 16: 10.0}}
+    common = dict(conc=2, rounds=1, wait_steps=0, output=4, arrivals=[0.0, 0.0005])
+    apart = simulate(**common, prices=prices)
+    mixed = simulate(**common, prices={**prices, "mixed": {16: 3.0, 64: 3.0}})
+    # apart: prefill 0, step, prefill 1 + step, two steps: 10 + 1 + 11 + 1 + 1 = 24 ms for 8 tokens.
+    # mixed: prefill 0, step, stream 1's prompt in stream 0's step (3 ms), three steps: 17 ms, as many passes
+    assert mixed["forward_passes"] == apart["forward_passes"] == 6
+    assert round(apart["output_tok_s"], 1) == round(8 / 0.024, 1)
+    assert round(mixed["output_tok_s"], 1) == round(8 / 0.017, 1)
+    # stream 1's first token: at 11 + 10 ms apart, at 11 + 3 ms mixed (arrived at 0.5 ms); stream 0's at 10
+    assert round(apart["ttft_p95_ms"], 3) == 20.5 and round(mixed["ttft_p95_ms"], 3) == 13.5
+    one = simulate(**{**common, "arrivals": [0.0, 0.0005, 0.0006], "conc": 3}, one_per_mixed=True,
+                   prices={**prices, "mixed": {16: 3.0, 64: 3.0}})
+    both = simulate(**{**common, "arrivals": [0.0, 0.0005, 0.0006], "conc": 3},
+                    prices={**prices, "mixed": {16: 3.0, 64: 3.0}})
+    # two waiting prompts: one prefill pass for both, or (one per pass) two mixed passes
+    assert one["prefill_passes"] == both["prefill_passes"] + 1
