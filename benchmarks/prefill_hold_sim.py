@@ -193,6 +193,22 @@ def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: 
               f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
 
 
+def mixed_holds_report(out: Path, waits: list[int], min_running: list[float], max_prefill_tokens: list[int],
+                       steady_rounds: int) -> None:
+    """How far the hold and the prefill pass's size move the engine with mixed passes (run 71's prices) at
+    64 x steady_rounds, today's first wave: whether scheduling alone could reach 6,000 tok/s."""
+    from benchmarks.gpu_engine import first_wave_arrivals
+
+    rows = [simulate(64, steady_rounds, w, max_prefill_tokens=mpt, min_running=m, arrivals=first_wave_arrivals(64),
+                     prices=MIXED_PRICES) | {"max_prefill_tokens": mpt}
+            for mpt in max_prefill_tokens for w in waits for m in min_running
+            if w or m == min_running[0]]  # nothing is held at wait 0: that row once
+    save_json(out / "prefill_hold_sim_mixed_holds.json", rows)
+    print(f"model (not a measurement), mixed passes priced by run 71, 64 x {steady_rounds}, today's first wave")
+    print_table(rows, ["max_prefill_tokens", "wait_steps", "min_running", "output_tok_s", "full_window_tok_s",
+                       "ttft_p50_ms", "ttft_p95_ms", "prefill_passes"])
+
+
 def release_report(out: Path) -> None:
     """The benchmarks' load before and after each stream sent its next request at once (hold 0)."""
     from benchmarks.gpu_engine import first_wave_arrivals
@@ -241,7 +257,11 @@ def main() -> None:
                    help="only model TTFT and tok/s at waits --waits when each stream's next request comes back "
                         "LO-HI ms after its last finished (e.g. 0,0 10,40 20,80)")
     p.add_argument("--mixed", action="store_true",
-                   help="with --return-delay-ms: price the passes as the engine with mixed passes (run 71)")
+                   help="price the passes as the engine with mixed passes (run 71): with --return-delay-ms, "
+                        "that report; alone, 64 x --steady-rounds over --waits, --min-running and "
+                        "--max-prefill-tokens")
+    p.add_argument("--max-prefill-tokens", default="2048",
+                   help="with --mixed alone: the engine's max_prefill_tokens values to model (comma-separated)")
     p.add_argument("--one-per-mixed", action="store_true",
                    help="with --mixed: model a loop that admits one prompt per pass while rows decode")
     args = p.parse_args()
@@ -259,6 +279,11 @@ def main() -> None:
         return_delay_report(out, [tuple(float(x) for x in d.split(",")) for d in args.return_delay_ms],
                             [int(x) for x in args.waits.split(",")], mixed=args.mixed,
                             steady_rounds=args.steady_rounds, one_per_mixed=args.one_per_mixed)
+        return
+    if args.mixed:
+        mixed_holds_report(out, [int(x) for x in args.waits.split(",")],
+                           [float(x) for x in args.min_running.split(",")],
+                           [int(x) for x in args.max_prefill_tokens.split(",")], args.steady_rounds)
         return
     rows = [simulate(conc, rounds, w, min_running=m) for conc, rounds in ((32, 3), (64, 3), (64, args.steady_rounds))
             for m in (float(x) for x in args.min_running.split(","))
