@@ -103,7 +103,7 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
             oldest_waited_steps=passes - waiting[0][2] if waiting else 0,
             max_prefill_tokens=max_prefill_tokens, max_wait_steps=wait_steps, max_rows=rows,
             min_running=min_running))[0]
-        decoding = list(running)
+        decoding, decoding_done = list(running), False  # decoding_done: the rows' step rode in a mixed pass
         if waiting and not held:
             take = waiting[: 1 if mixed_ms and one_per_mixed and decoding else max(1, max_prefill_tokens // prompt)]
             del waiting[: len(take)]
@@ -114,11 +114,8 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
                 decoding_done = True
             else:
                 now += interp(prefill_ms, len(take)) / 1000
-                decoding_done = False
             for a, i, _ in take:
                 running[i] = [a, now, 1]
-        else:
-            decoding_done = False
         if decoding_done or running:
             if not decoding_done:
                 decoding = list(running)
