@@ -120,8 +120,7 @@ async def run(args) -> dict:
     gc.collect()
     gc.freeze()
     gc_pauses = gcpause.pauses()
-    rng = random.Random(0)
-    prompt = lambda: [rng.randrange(1000, 40000) for _ in range(args.prompt)]  # noqa: E731
+    prompt, rng = prompt_draw(args.prompt)
     results = {"build_model_s": build_s, "engine_ready_s": ready_s, "gpu": torch.cuda.get_device_name(0),
                "kv_cache": args.kv_cache, "options": options,
                # the default moved with the load (docs/gpu_notes.md runs 43-44, 52): the raw file says what ran
@@ -175,7 +174,7 @@ async def run(args) -> dict:
         save()
 
     if args.warm_rounds:
-        draw, draw_rng = warm_prompts(args.prompt)
+        draw, draw_rng = prompt_draw(args.prompt, WARM_PROMPT_SEED)
         await load("warm_load", 64, "w", args.warm_rounds, draw=draw, draw_rng=draw_rng)
     for conc in (32, 64):
         await load(f"concurrency_{conc}", conc, f"c{conc}")
@@ -371,12 +370,16 @@ def first_wave_arrivals(conc: int, span_s: float = FIRST_WAVE_SPAN_S, seed: int 
     return out
 
 
-def warm_prompts(prompt_len: int):
-    """(draw, rng) for the discarded warm-up load both GPU benchmarks run before their measured ones
-    (--warm-rounds). Why: in runs 68, 70 and 71 the arm measured first after the start was the slower by
-    1-3 %, as much as the options compared differ: the order or the options, not told apart. Its RNG is its
-    own, so the measured loads draw the ids they drew before."""
-    rng = random.Random(1)
+# the discarded warm-up load's prompts (--warm-rounds), drawn from an RNG of their own so that the measured
+# loads (seed 0) draw the ids they drew before it existed. Why the load: in runs 68, 70 and 71 the arm measured
+# first after the start was the slower by 1-3 %, as much as the options compared differ
+WARM_PROMPT_SEED = 1
+
+
+def prompt_draw(prompt_len: int, seed: int = 0):
+    """(draw, rng): ``draw()`` returns a prompt of ``prompt_len`` random ids from ``rng`` (Random(seed)), which
+    the loads also use for their arrivals; both GPU benchmarks and the loop model's old waves draw so."""
+    rng = random.Random(seed)
     return (lambda: [rng.randrange(1000, 40000) for _ in range(prompt_len)]), rng
 
 

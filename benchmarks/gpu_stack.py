@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import (  # noqa: E402
-    _option, build_model_dir, concurrent_load, engine_options, warm_prompts)
+    WARM_PROMPT_SEED, _option, build_model_dir, concurrent_load, engine_options, prompt_draw)
 from benchmarks.loadgen import (  # noqa: E402
     add_engine_process_arg,
     add_http_proxy_arg,
@@ -93,8 +92,7 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> di
     """The loads through the HTTP API; ``checkpoint`` gets what is measured so far after each one."""
     import httpx
 
-    rng = random.Random(0)
-    prompt = lambda: [rng.randrange(1000, 40000) for _ in range(args.prompt)]  # noqa: E731
+    prompt, rng = prompt_draw(args.prompt)
     url = f"{base}/v1/completions"
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     out = {}
@@ -107,7 +105,7 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> di
                          "ttft_via_handle_ms": await handle_first_token_ms(prompt(), args.output)}
         if args.warm_rounds:
             await concurrent_load(lambda i, p: http_one(client, url, model, p, args.output), 64,
-                                  *warm_prompts(args.prompt), args.warm_rounds)
+                                  *prompt_draw(args.prompt, WARM_PROMPT_SEED), args.warm_rounds)
         for key, conc, rounds, _ in loads(args):
             t0_ns = time.time_ns()
             out[key] = await concurrent_load(

@@ -103,7 +103,7 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
             oldest_waited_steps=passes - waiting[0][2] if waiting else 0,
             max_prefill_tokens=max_prefill_tokens, max_wait_steps=wait_steps, max_rows=rows,
             min_running=min_running))[0]
-        decoding, decoding_done = list(running), False  # decoding_done: the rows' step rode in a mixed pass
+        decoding, stepped = list(running), False  # stepped: the rows' decode step rode in a mixed pass
         if waiting and not held:
             take = waiting[: 1 if mixed_ms and one_per_mixed and decoding else max(1, max_prefill_tokens // prompt)]
             del waiting[: len(take)]
@@ -111,29 +111,29 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
             passes += 1
             if mixed_ms and len(take) == 1 and decoding:
                 now += interp(mixed_ms, len(decoding)) / 1000
-                decoding_done = True
+                stepped = True
             else:
                 now += interp(prefill_ms, len(take)) / 1000
             for a, i, _ in take:
                 running[i] = [a, now, 1]
-        if decoding_done or running:
-            if not decoding_done:
-                decoding = list(running)
-                now += interp(step_ms, len(running)) / 1000
+        if not stepped:
+            decoding = list(running)  # the new prompts too: their prefill pass is apart from this step
+            if decoding:
+                now += interp(step_ms, len(decoding)) / 1000
                 passes += 1
-            for i in decoding:
-                r = running[i]
-                r[2] += 1
-                if r[2] >= output:
-                    done.append({"start_s": r[0], "ttft_s": r[1] - r[0], "e2e_s": now - r[0], "tokens": r[2]})
-                    del running[i]
-                    left[i] -= 1
-                    if left[i]:
-                        nxt = now + delay_rng.uniform(*return_delay_s)
-                        if release_at_wave_end and nxt < arrivals[-1]:
-                            held_to_wave_end += 1
-                            nxt = arrivals[-1]
-                        heapq.heappush(pending, (nxt, i))
+        for i in decoding:
+            r = running[i]
+            r[2] += 1
+            if r[2] >= output:
+                done.append({"start_s": r[0], "ttft_s": r[1] - r[0], "e2e_s": now - r[0], "tokens": r[2]})
+                del running[i]
+                left[i] -= 1
+                if left[i]:
+                    nxt = now + delay_rng.uniform(*return_delay_s)
+                    if release_at_wave_end and nxt < arrivals[-1]:
+                        held_to_wave_end += 1
+                        nxt = arrivals[-1]
+                    heapq.heappush(pending, (nxt, i))
     from benchmarks.gpu_engine import full_window
 
     ttft = [d["ttft_s"] for d in done]
@@ -148,8 +148,9 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
 def old_first_waves(prompts_before: int, prompt: int = 512) -> dict[int, list[float]]:
     """The first waves gpu_engine.py / gpu_stack.py met before 2026-12-03's fix: drawn from the prompts'
     RNG (Random(0)) after `prompts_before` prompts (gpu_engine 6, gpu_stack 5), 32 then 64 x 3."""
-    rng = random.Random(0)
-    draw = lambda: [rng.randrange(1000, 40000) for _ in range(prompt)]  # noqa: E731
+    from benchmarks.gpu_engine import prompt_draw
+
+    draw, rng = prompt_draw(prompt)
     for _ in range(prompts_before):
         draw()
     waves = {}

@@ -98,9 +98,10 @@ def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
 
     # stream 0 alone: a 10 ms prefill, then 1 ms steps; stream 1 arrives 0.5 ms in and waits for the loop
     prices = {"step": {1: 1.0, 64: 1.0}, "prefill": {1: 10.0, 4: 10.0, 16: 10.0}}
+    with_mixed = {**prices, "mixed": {16: 3.0, 64: 3.0}}
     common = dict(conc=2, rounds=1, wait_steps=0, output=4, arrivals=[0.0, 0.0005])
     apart = simulate(**common, prices=prices)
-    mixed = simulate(**common, prices={**prices, "mixed": {16: 3.0, 64: 3.0}})
+    mixed = simulate(**common, prices=with_mixed)
     # apart: prefill 0, step, prefill 1 + step, two steps: 10 + 1 + 11 + 1 + 1 = 24 ms for 8 tokens.
     # mixed: prefill 0, step, stream 1's prompt in stream 0's step (3 ms), three steps: 17 ms, as many passes
     assert mixed["forward_passes"] == apart["forward_passes"] == 6
@@ -108,9 +109,8 @@ def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
     assert round(mixed["output_tok_s"], 1) == round(8 / 0.017, 1)
     # stream 1's first token: at 11 + 10 ms apart, at 11 + 3 ms mixed (arrived at 0.5 ms); stream 0's at 10
     assert round(apart["ttft_p95_ms"], 3) == 20.5 and round(mixed["ttft_p95_ms"], 3) == 13.5
-    one = simulate(**{**common, "arrivals": [0.0, 0.0005, 0.0006], "conc": 3}, one_per_mixed=True,
-                   prices={**prices, "mixed": {16: 3.0, 64: 3.0}})
-    both = simulate(**{**common, "arrivals": [0.0, 0.0005, 0.0006], "conc": 3},
-                    prices={**prices, "mixed": {16: 3.0, 64: 3.0}})
+    three = {**common, "arrivals": [0.0, 0.0005, 0.0006], "conc": 3}
+    one = simulate(**three, prices=with_mixed, one_per_mixed=True)
+    both = simulate(**three, prices=with_mixed)
     # two waiting prompts: one prefill pass for both, or (one per pass) two mixed passes
     assert one["prefill_passes"] == both["prefill_passes"] + 1
