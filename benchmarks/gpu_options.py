@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import random_qwen7b, time_replay_ms  # noqa: E402
+from benchmarks.gpu_engine import prompt_draw, random_qwen7b, time_replay_ms  # noqa: E402
 
 
 def build_model():
@@ -34,10 +34,8 @@ def build_model():
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(n)]
+    draw, _ = prompt_draw(length, seed)
+    return [draw() for _ in range(n)]
 
 
 def cb_run(model, name: str, n: int, cb_kwargs: dict, prompt_len: int, out_len: int) -> dict:
