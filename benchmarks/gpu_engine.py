@@ -377,8 +377,8 @@ WARM_PROMPT_SEED = 1
 
 
 def prompt_draw(prompt_len: int, seed: int = 0):
-    """(draw, rng): ``draw()`` returns a prompt of ``prompt_len`` random ids from ``rng`` (Random(seed)), which
-    the loads also use for their arrivals; both GPU benchmarks and the loop model's old waves and gpu_options.py draw so."""
+    """(draw, rng): ``draw()`` returns a prompt of ``prompt_len`` random ids from ``rng`` = Random(seed). Both
+    GPU benchmarks, gpu_options.py and the loop model's old waves draw their prompts so."""
     rng = random.Random(seed)
     return (lambda: [rng.randrange(1000, 40000) for _ in range(prompt_len)]), rng
 
