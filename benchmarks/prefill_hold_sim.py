@@ -35,9 +35,11 @@ from serve_app.engines.prefill_policy import PrefillContext, hold_prefill  # noq
 
 STEP_MS = {1: 4.74, 8: 4.87, 32: 5.52, 64: 6.04}  # decode graph replay by rows, span 768
 PREFILL_MS = {1: 13.9, 4: 41.7, 16: 157.2}  # compiled prefill pass by 512-token prompts
-# 2026-12-04, run 71 (machine U, docs/gpu_notes.md): the engine with mixed_graph_tokens=512, each pass replayed
-# alone at span 768. One waiting prompt and decoding rows share one captured mixed pass (by rows); more
-# prompts go into one prefill pass, as the engine admits them (hf.py, _mixed_static)
+# 2026-12-04 (docs/gpu_notes.md), the engine with mixed_graph_tokens=512: decode steps, the one-prompt prefill
+# graph and the mixed passes replayed alone at span 768 in run 71 (machine U); the compiled 4- and 16-prompt
+# prefill passes of run 73 (machine W; U's: 39.12, 152.60). One waiting prompt and decoding rows share one
+# captured mixed pass (by rows); more prompts go into one prefill pass, as the engine admits them (hf.py,
+# _mixed_static)
 MIXED_PRICES = {"step": {1: 4.69, 8: 4.80, 16: 5.04, 32: 5.39, 64: 5.85},
                 "prefill": {1: 12.59, 4: 39.32, 16: 153.39},
                 "mixed": {16: 13.29, 32: 15.81, 64: 16.73}}
@@ -179,7 +181,7 @@ def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: 
             + ".json")
     (out / name).write_text(json.dumps(rows, indent=2))
     print(f"model (not a measurement), min running 0.5, today's first wave, "
-          f"{'mixed passes priced by run 71' if mixed else 'no mixed passes'}"
+          f"{'mixed passes priced by runs 71 and 73' if mixed else 'no mixed passes'}"
           f"{', one prompt per mixed pass' if one_per_mixed else ''}")
     print(f"{'return delay ms':<16}{'load':>8}{'wait':>5}{'tok/s':>8}{'in flight':>10}{'TTFT p50':>10}{'p95':>7}"
           f"{'prefill':>8}")
@@ -193,7 +195,7 @@ def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: 
 
 def mixed_holds_report(out: Path, waits: list[int], min_running: list[float], max_prefill_tokens: list[int],
                        steady_rounds: int) -> None:
-    """How far the hold and the prefill pass's size move the engine with mixed passes (run 71's prices) at
+    """How far the hold and the prefill pass's size move the engine with mixed passes (MIXED_PRICES) at
     64 x steady_rounds, today's first wave: whether scheduling alone could reach 6,000 tok/s."""
     from benchmarks.gpu_engine import first_wave_arrivals
 
@@ -202,7 +204,7 @@ def mixed_holds_report(out: Path, waits: list[int], min_running: list[float], ma
             for mpt in max_prefill_tokens for w in waits for m in min_running
             if w or m == min_running[0]]  # nothing is held at wait 0: that row once
     save_json(out / "prefill_hold_sim_mixed_holds.json", rows)
-    print(f"model (not a measurement), mixed passes priced by run 71, 64 x {steady_rounds}, today's first wave")
+    print(f"model (not a measurement), mixed passes priced by runs 71 and 73, 64 x {steady_rounds}, today's first wave")
     print_table(rows, ["max_prefill_tokens", "wait_steps", "min_running", "output_tok_s", "full_window_tok_s",
                        "ttft_p50_ms", "ttft_p95_ms", "prefill_passes"])
 
@@ -255,7 +257,7 @@ def main() -> None:
                    help="only model TTFT and tok/s at waits --waits when each stream's next request comes back "
                         "LO-HI ms after its last finished (e.g. 0,0 10,40 20,80)")
     p.add_argument("--mixed", action="store_true",
-                   help="price the passes as the engine with mixed passes (run 71): with --return-delay-ms, "
+                   help="price the passes as the engine with mixed passes (MIXED_PRICES): with --return-delay-ms, "
                         "that report; alone, 64 x --steady-rounds over --waits, --min-running and "
                         "--max-prefill-tokens")
     p.add_argument("--max-prefill-tokens", default="2048",
