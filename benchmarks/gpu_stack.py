@@ -32,6 +32,7 @@ from benchmarks.loadgen import (  # noqa: E402
     add_ingress_arg,
     free_port,
     ingress_server_keys,
+    percentile,
 )
 
 ADMIN_TOKEN = "gpu-stack-bench"
@@ -88,6 +89,36 @@ async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) 
     return 1000 * statistics.median(xs)
 
 
+class ClientLag:
+    """How late this client's own event loop wakes from a 1 ms sleep, and the share of a core its process
+    uses, over one load: what the client adds to the TTFT it measures (one Python process drives every
+    stream), so the stack is not charged for it."""
+
+    def __init__(self):
+        self._lags_s: list[float] = []
+        self._task = None
+
+    async def _tick(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self._lags_s.append(time.perf_counter() - t - 0.001)
+
+    def __enter__(self):
+        self._lags_s.clear()
+        self._cpu0, self._t0 = time.process_time(), time.perf_counter()
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._task.cancel()
+        self.summary = {
+            "cpu_share": (time.process_time() - self._cpu0) / max(1e-9, time.perf_counter() - self._t0),
+            **{f"lag_p{q}_ms": 1000 * percentile(self._lags_s, q) for q in (50, 99)},
+            "lag_max_ms": 1000 * max(self._lags_s, default=0.0),
+        }
+
+
 async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> dict:
     """The loads through the HTTP API; ``checkpoint`` gets what is measured so far after each one."""
     import httpx
@@ -108,9 +139,11 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> di
                                   *prompt_draw(args.prompt, WARM_PROMPT_SEED), args.warm_rounds)
         for key, conc, rounds, _ in loads(args):
             t0_ns = time.time_ns()
-            out[key] = await concurrent_load(
-                lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds)
+            with ClientLag() as lag:
+                out[key] = await concurrent_load(
+                    lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds)
             out[key]["window_ns"] = [t0_ns, time.time_ns()]
+            out[key]["client"] = lag.summary
             checkpoint(out)
     return out
 
@@ -159,11 +192,18 @@ def engine_process_resolved(res: dict) -> str:
     return "separate" if (res.get("warm_up") or {}).get("engine_process_pid") else "inline"
 
 
+def arm_suffix(proxy: str, engine_process: str, ingress: str, user_code_loop: str = "separate") -> str:
+    """The file-name part of one arm: each setting away from the first runs' default names itself."""
+    return "".join(f"_{v}" for v, default in ((proxy, "python"), (engine_process, "inline"), (ingress, "separate"),
+                                                (user_code_loop, "separate")) if v != default)
+
+
 def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "inline",
-              ingress: str = "separate") -> dict:
+              ingress: str = "separate", user_code_loop: str = "separate") -> dict:
     """Start Ray with `proxy` as Serve's HTTP data path, deploy (the engine in the replica's process or
     in its own, `engine_process`; an Ingress deployment in front or the replica serving HTTP itself,
-    `ingress`), drive the loads, stop Ray."""
+    `ingress`; our code on Serve's user-code thread or the replica's main loop, `user_code_loop`), drive
+    the loads, stop Ray."""
     from cluster.launcher import select_http_proxy
 
     select_http_proxy(proxy)  # before Ray starts: Serve's controller reads it once
@@ -176,8 +216,8 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
 
     res: dict = {"http_proxy": proxy, "engine_process": engine_process, "stream_interval_ms": args.stream_interval_ms,
                  "ingress": ingress, "ingress_replicas": 0 if ingress == "direct" else args.ingress_replicas,
-                 "engine_options_set": dict(args.set)}
-    trace_file = Path(args.work) / f"traces-{proxy}-{engine_process}-{ingress}.jsonl"
+                 "user_code_loop": user_code_loop, "engine_options_set": dict(args.set)}
+    trace_file = Path(args.work) / f"traces{arm_suffix(proxy, engine_process, ingress, user_code_loop)}.jsonl"
     trace_file.unlink(missing_ok=True)
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
     http_port, grpc_port = free_port(), free_port()
@@ -189,7 +229,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
         }]}],
         "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
                    "ingress_max_ongoing_requests": 4096, **ingress_server_keys(ingress, args.ingress_replicas),
-                   "stream_interval_ms": args.stream_interval_ms},
+                   "stream_interval_ms": args.stream_interval_ms, "user_code_loop": user_code_loop},
         "rollout": {"enabled": False},
         **({"tracing": {"exporter": "file", "file_path": str(trace_file)}}
            if args.trace else {}),
@@ -206,7 +246,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     def checkpoint(part: dict) -> None:
         # a call cut short by its time limit still leaves the deploy and the loads done (gpu_engine.py saves so
         # too): on 2026-12-04 a cold deploy that compiled for 7 minutes left nothing
-        partial = Path(args.out) / f"gpu_stack_partial_{proxy}_{engine_process}_{ingress}.json"
+        partial = Path(args.out) / f"gpu_stack_partial_{proxy}_{engine_process}_{ingress}_{user_code_loop}.json"
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({**res, **part, "partial": True}, indent=2))
 
@@ -238,9 +278,11 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
 def print_report(res: dict, alone: dict | None, args) -> None:
     front = ("no Ingress: the LLMServer replica serves HTTP (direct streaming)" if res.get("ingress") == "direct"
              else f"{res['ingress_replicas']} ingress replicas")
+    loop = res.get("user_code_loop", "separate")  # files before 2026-12-04's sixteenth session: Serve's default
     print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, engine "
           f"{'in its own process' if res['engine_process_resolved'] == 'separate' else 'in the replica process'}, streaming; "
-          f"{front}, stream_interval_ms {args.stream_interval_ms:g}); "
+          f"{front}, stream_interval_ms {args.stream_interval_ms:g}, our code on "
+          f"{'the replica main loop' if loop == 'shared' else 'Serve user-code thread'}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
     for key, _, _, at in loads(args):
@@ -265,6 +307,10 @@ def print_report(res: dict, alone: dict | None, args) -> None:
               f"{a.get('ttft_text_p50_ms', float('nan')):>10.1f}{added}")
         print(f"{f'TTFT p95 {at} (ms)':<34}{c['ttft_p95_ms']:>10.1f}"
               f"{a.get('ttft_text_p95_ms', float('nan')):>10.1f}")
+        if c.get("client"):
+            cl = c["client"]
+            print(f"  the client's own loop: late by p50 / p99 / max {cl['lag_p50_ms']:.2f} / {cl['lag_p99_ms']:.2f} / "
+                  f"{cl['lag_max_ms']:.1f} ms, {100 * cl['cpu_share']:.0f} % of a core")
         if c["failed"]:
             print(f"  {c['failed']} requests failed")
         legs = c.get("first_token_legs")
@@ -320,6 +366,9 @@ def main() -> None:
                               "own, what 'auto' picks (the child on a GPU), or several one after the other "
                               "(each with every --http-proxy)", default="auto")
     add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
+    p.add_argument("--user-code-loop", choices=["separate", "shared"], nargs="+", default=["separate"],
+                   help="server.user_code_loop, several one after the other (each with every other arm; Ray "
+                        "restarts between): our code on Serve's user-code thread, or on the replica's main loop")
     p.add_argument("--steady-rounds", type=int, default=0,
                    help="requests per stream of a longer 64-concurrent load after the others (0: none), "
                         "against gpu_engine.py's of the same name")
@@ -369,17 +418,15 @@ def main() -> None:
     alone_path = out / "gpu_engine.json"
     alone = json.loads(alone_path.read_text()) if alone_path.exists() else None
     results = []
-    for proxy in args.http_proxy:
-        for engine_process in args.engine_process:
-            for ingress in args.ingress:
-                res = run_stack(args, proxy, opts, gpus, engine_process, ingress)
-                res["build_model_s"] = build_s
-                # the Python proxy's inline file with an Ingress keeps the name earlier runs used
-                name = (f"gpu_stack{tag}{'' if proxy == 'python' else '_' + proxy}"
-                        f"{'' if engine_process == 'inline' else '_' + engine_process}"
-                        f"{'' if ingress == 'separate' else '_' + ingress}.json")
-                (out / name).write_text(json.dumps(res, indent=2))
-                results.append(res)
+    arms = [(proxy, engine_process, ingress, loop) for loop in args.user_code_loop for proxy in args.http_proxy
+            for engine_process in args.engine_process for ingress in args.ingress]
+    for proxy, engine_process, ingress, loop in arms:
+        res = run_stack(args, proxy, opts, gpus, engine_process, ingress, loop)
+        res["build_model_s"] = build_s
+        # the Python proxy's inline file with an Ingress keeps the name earlier runs used
+        (out / f"gpu_stack{tag}{arm_suffix(proxy, engine_process, ingress, loop)}.json").write_text(
+            json.dumps(res, indent=2))
+        results.append(res)
     for res in results:
         print_report(res, alone, args)
 

@@ -38,7 +38,20 @@ def autoscaling_config(v: VariantConfig) -> AutoscalingConfig | None:
     )
 
 
-def _llm_options(model: str, v: VariantConfig, max_ongoing: int, max_queued: int) -> dict:
+# Serve reads these once, when a replica's process starts; per deployment, so other apps keep Serve's defaults
+SHARED_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def replica_runtime_env(config: AppConfig) -> dict:
+    """``ray_actor_options`` entries every seekserve replica gets: with ``server.user_code_loop`` 'shared',
+    the environment that has Serve run our code on the replica's main loop (Ray merges a deployment's
+    env_vars into the job's)."""
+    if config.server.user_code_loop == "shared":
+        return {"runtime_env": {"env_vars": dict(SHARED_LOOP_ENV)}}
+    return {}
+
+
+def _llm_options(model: str, v: VariantConfig, max_ongoing: int, max_queued: int, config: AppConfig) -> dict:
     """Serve options of the deployment that hosts a variant's engine: replicas, placement, resources."""
     scaling = autoscaling_config(v)
     replicas = {"autoscaling_config": scaling} if scaling else {"num_replicas": v.num_replicas}
@@ -54,6 +67,7 @@ def _llm_options(model: str, v: VariantConfig, max_ongoing: int, max_queued: int
             "num_cpus": v.resources.num_cpus,
             # with TP the GPUs belong to the rank workers; a TP=1 replica holds its bundle's GPU itself
             "num_gpus": v.resources.num_gpus if v.tensor_parallel_size == 1 else 0,
+            **replica_runtime_env(config),
         },
         health_check_period_s=10,
         health_check_timeout_s=30,
@@ -90,7 +104,7 @@ def _direct_app(config: AppConfig):
     m = config.models[0]
     v = m.variants[0]
     limit = config.server.ingress_max_ongoing_requests
-    return serve.deployment(DirectServer).options(**_llm_options(m.name, v, limit, limit)).bind(
+    return serve.deployment(DirectServer).options(**_llm_options(m.name, v, limit, limit, config)).bind(
         config.model_dump(), _llm_server_kwargs(m.name, v, config))
 
 
@@ -102,14 +116,14 @@ def build_app(config: AppConfig):
         for v in m.variants:
             max_ongoing = v.effective_max_ongoing_requests()
             # bound the callers' queues too: past this Serve raises BackPressureError -> 429
-            options = _llm_options(m.name, v, max_ongoing, max_queued=max_ongoing)
+            options = _llm_options(m.name, v, max_ongoing, max_queued=max_ongoing, config=config)
             handles.setdefault(m.name, {})[v.name] = serve.deployment(LLMServer).options(**options).bind(
                 **_llm_server_kwargs(m.name, v, config))
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=config.server.ingress_replicas,
         max_ongoing_requests=config.server.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **replica_runtime_env(config)},
     )
     return ingress.bind(config.model_dump(), handles)
 

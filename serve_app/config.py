@@ -323,6 +323,16 @@ class ServerConfig(StrictModel):
         "the HAProxy data path (`seekserve serve --http-proxy haproxy`) to take Serve's Python proxy "
         "out of the path as well.",
     )
+    user_code_loop: Literal["separate", "shared"] = Field(
+        "separate",
+        description="Where each replica runs our code. 'separate' is Ray Serve's default: a thread and event "
+        "loop of its own, apart from the replica's main loop, which answers Serve's control calls and, on the "
+        "HAProxy data path, HTTP; every request and every streamed message then crosses between the two "
+        "threads. 'shared' runs it on the main loop (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and "
+        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in the replicas, as Ray Serve LLM sets for its own "
+        "deployments). Safe for seekserve's deployments, which never block their loop: engines run in their "
+        "own thread or process.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ServerConfig":

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ADMIN_TOKEN
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 direct = sys.argv[2] == "direct"
+loop = sys.argv[3]
 from cluster.launcher import select_http_proxy
 from serve_app.app import deploy
 
@@ -36,7 +39,7 @@ deploy(parse_config({
     "models": [{"name": "m", "variants": [{"name": "stable", "weight": 100, "engine": {
         "backend": "null", "options": {"num_tokens": 5, "tokens_per_s": 0}}}]}],
     "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
-               **({"direct_streaming": True} if direct else {"ingress_replicas": 2})},
+               "user_code_loop": loop, **({"direct_streaming": True} if direct else {"ingress_replicas": 2})},
     "rollout": {"enabled": False},
 }))
 deployments = sorted(serve.status().applications["seekserve"].deployments)
@@ -48,20 +51,21 @@ whole = client.chat.completions.create(model="m", messages=[{"role": "user", "co
 bad = httpx.post(base + "/v1/chat/completions", json={"model": "m", "messages": [], "temperature": 9}, timeout=60)
 listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
 owner = psutil.Process(listening[http_port]).name() if listening.get(http_port) else None
+stats = httpx.get(base + "/admin/engine-stats", headers={"Authorization": "Bearer " + sys.argv[4]}, timeout=60).json()
 print("RESULT " + json.dumps({"streamed": streamed, "whole": whole.choices[0].message.content,
                               "bad_status": bad.status_code, "bad_body": bad.json(), "port_owner": owner,
-                              "deployments": deployments}))
+                              "deployments": deployments, "user_code_thread": stats["m/stable"]["user_code_thread"]}))
 ray.shutdown()
 """
 
 
-@pytest.mark.parametrize("ingress", ["separate", "direct"])
-def test_the_app_serves_through_ray_serve_haproxy(ingress):
+@pytest.mark.parametrize("ingress,loop", [("separate", "separate"), ("direct", "separate"), ("direct", "shared")])
+def test_the_app_serves_through_ray_serve_haproxy(ingress, loop):
     """With an Ingress deployment, and with direct streaming, where HAProxy hands each connection to the
-    LLMServer replica itself."""
+    LLMServer replica itself; our code on Serve's user-code thread, or on the replica's main loop."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT), ingress], capture_output=True, text=True,
-                         env=env, timeout=240, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT), ingress, loop, ADMIN_TOKEN], capture_output=True,
+                         text=True, env=env, timeout=240, cwd=ROOT)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads(line[len("RESULT "):])
@@ -70,6 +74,9 @@ def test_the_app_serves_through_ray_serve_haproxy(ingress):
     assert r["streamed"] == r["whole"] == " tok" * 5
     assert r["bad_status"] == 400 and r["bad_body"]["error"]["param"] == "temperature"
     assert r["deployments"] == (["LLMServer-m-stable"] if ingress == "direct" else ["Ingress", "LLMServer-m-stable"])
+    # Serve's own user-code thread is a plain threading.Thread; the main loop runs in Ray's "AsyncIO Thread"
+    on_main_loop = r["user_code_thread"].startswith("AsyncIO Thread")
+    assert on_main_loop == (loop == "shared"), r["user_code_thread"]
 
 
 def test_the_switch_names_its_choices():

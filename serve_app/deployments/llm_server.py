@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import AsyncIterator
 
@@ -224,6 +225,8 @@ class LLMServer:
         s["gpu_memory_used_bytes"] = last.memory_used_bytes if last else None
         s["gpu_memory_total_bytes"] = last.memory_total_bytes if last else None
         s["gc"] = self._gc.snapshot()
+        # server.user_code_loop: Serve's own user-code thread ('separate') or the replica's main loop ('shared')
+        s["user_code_thread"] = threading.current_thread().name
         if hasattr(self.engine, "process_gc"):  # engine.process "separate": the engine's own process
             s["engine_process_gc"] = self.engine.process_gc
         return s
