@@ -34,6 +34,7 @@ from benchmarks.loadgen import (  # noqa: E402
     ingress_server_keys,
     percentile,
 )
+from serve_app.config import ServerConfig  # noqa: E402
 
 ADMIN_TOKEN = "gpu-stack-bench"
 
@@ -366,9 +367,11 @@ def main() -> None:
                               "own, what 'auto' picks (the child on a GPU), or several one after the other "
                               "(each with every --http-proxy)", default="auto")
     add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
-    p.add_argument("--user-code-loop", choices=["separate", "shared"], nargs="+", default=["separate"],
+    p.add_argument("--user-code-loop", choices=["separate", "shared"], nargs="+",
+                   default=[ServerConfig.model_fields["user_code_loop"].default],
                    help="server.user_code_loop, several one after the other (each with every other arm; Ray "
-                        "restarts between): our code on Serve's user-code thread, or on the replica's main loop")
+                        "restarts between): our code on Serve's user-code thread, or on the replica's main loop "
+                        "(default: the app's)")
     p.add_argument("--steady-rounds", type=int, default=0,
                    help="requests per stream of a longer 64-concurrent load after the others (0: none), "
                         "against gpu_engine.py's of the same name")

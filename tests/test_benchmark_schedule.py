@@ -93,6 +93,54 @@ def test_the_stack_report_reads_a_partial_file_cut_before_serve_shut_down(monkey
     assert "5011      5097  98 % of engine" in out and "+29.6 ms" in out
 
 
+def test_the_stack_report_names_where_the_replica_ran_our_code_and_the_clients_lag(monkeypatch, capsys):
+    # run 77's arms differ only in server.user_code_loop; files from before it ran on Serve's thread
+    import sys
+    from pathlib import Path
+
+    from benchmarks import gpu_stack
+
+    r = f"{Path(__file__).resolve().parent.parent / 'docs' / 'results'}/"
+    monkeypatch.setattr(sys, "argv", [
+        "gpu_stack.py", "--concurrency", "32", "64", "--steady-rounds", "10",
+        "--engine-json", r + "gpu_engine-h200-2026-12-04-5c93fcf-Y-mixed512-call3-probe.json",
+        "--report", r + "gpu_stack-h200-2026-12-04-5c93fcf-Y-haproxy-direct-shared-mixed512-call2.json",
+        r + "gpu_stack-h200-2026-12-04-221f185-X-haproxy-direct-mixed512-partial.json"])
+    gpu_stack.main()
+    shared, old = capsys.readouterr().out.split("\nfull stack")[1:]
+    assert "our code on the replica main loop" in shared and "4461      4437  101 % of engine" in shared
+    assert "+12.8 ms" in shared and "the client's own loop: late by p50 / p99 / max 0.15 / 2.42 / 8.1 ms" in shared
+    assert "our code on Serve user-code thread" in old and "the client's own loop" not in old
+
+
+def test_the_client_lag_counts_a_blocked_loop():
+    import asyncio
+    import time
+
+    from benchmarks.gpu_stack import ClientLag
+
+    async def load(block_s: float) -> dict:
+        with ClientLag() as lag:
+            await asyncio.sleep(0.02)
+            end = time.perf_counter() + block_s
+            while time.perf_counter() < end:  # a client busy parsing: every stream's timestamps wait
+                pass
+            await asyncio.sleep(0.02)
+        return lag.summary
+
+    idle, blocked = asyncio.run(load(0.0)), asyncio.run(load(0.08))
+    assert blocked["lag_max_ms"] >= 75 > idle["lag_max_ms"]
+    assert blocked["cpu_share"] > idle["cpu_share"]
+
+
+def test_each_stack_arm_names_its_file_and_the_first_runs_keep_their_names():
+    from benchmarks.gpu_stack import arm_suffix
+
+    assert arm_suffix("python", "inline", "separate", "separate") == ""
+    assert arm_suffix("haproxy", "auto", "direct") == "_haproxy_auto_direct"
+    assert arm_suffix("haproxy", "auto", "direct", "shared") == "_haproxy_auto_direct_shared"
+
+
 def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
     from benchmarks.prefill_hold_sim import simulate
 
