@@ -328,7 +328,7 @@ class ServerConfig(StrictModel):
         description="Where each replica runs our code. 'shared' (the default) runs it on the replica's main "
         "loop, which also answers Serve's control calls and, on the HAProxy data path, HTTP "
         "(RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in the "
-        "replicas, as Ray Serve LLM sets for its own deployments); safe for seekserve's deployments, which "
+        "replicas, as Ray Serve LLM sets for the ingress router of its direct streaming); safe for seekserve's deployments, which "
         "never block their loop: engines run in their own thread or process. 'separate' is Ray Serve's own "
         "default: a thread and event loop of their own, so every request and every streamed message crosses "
         "between two threads (on an H200 at 64 streams, ~8 ms more to the first token at 64 x 3).",
