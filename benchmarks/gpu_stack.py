@@ -235,6 +235,8 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
         **({"tracing": {"exporter": "file", "file_path": str(trace_file)}}
            if args.trace else {}),
     })
+    # the file names and the report say what ran, not 'auto'
+    res["user_code_loop"] = user_code_loop = config.server.effective_user_code_loop()
     t0 = time.perf_counter()
     deploy(config)  # the operator's path: capacity check, Serve start, placement group per replica
     res["deploy_ready_s"] = time.perf_counter() - t0
@@ -367,7 +369,7 @@ def main() -> None:
                               "own, what 'auto' picks (the child on a GPU), or several one after the other "
                               "(each with every --http-proxy)", default="auto")
     add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
-    p.add_argument("--user-code-loop", choices=["separate", "shared"], nargs="+",
+    p.add_argument("--user-code-loop", choices=["auto", "separate", "shared"], nargs="+",
                    default=[ServerConfig.model_fields["user_code_loop"].default],
                    help="server.user_code_loop, several one after the other (each with every other arm; Ray "
                         "restarts between): our code on Serve's user-code thread, or on the replica's main loop "
@@ -427,7 +429,7 @@ def main() -> None:
         res = run_stack(args, proxy, opts, gpus, engine_process, ingress, loop)
         res["build_model_s"] = build_s
         # the Python proxy's inline file with an Ingress keeps the name earlier runs used
-        (out / f"gpu_stack{tag}{arm_suffix(proxy, engine_process, ingress, loop)}.json").write_text(
+        (out / f"gpu_stack{tag}{arm_suffix(proxy, engine_process, ingress, res['user_code_loop'])}.json").write_text(
             json.dumps(res, indent=2))
         results.append(res)
     for res in results:

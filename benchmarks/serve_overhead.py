@@ -29,6 +29,7 @@ from benchmarks.loadgen import (  # noqa: E402
     run_load,
     save_json,
 )
+from serve_app.config import ServerConfig  # noqa: E402
 
 
 async def engine_direct(concurrency: int, n_tokens: int, max_requests: int, duration_s: float) -> dict:
@@ -121,7 +122,8 @@ def full_stack(args) -> list[dict]:
                         }
                     ],
                 }
-            ]
+            ],
+            "server": {"user_code_loop": args.user_code_loop},
         }
     )
     serve.run(build_app(cfg), name="bench", route_prefix="/")
@@ -195,6 +197,9 @@ def main() -> None:
                    help="set RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's direct ingress + gRPC transport)")
     p.add_argument("--skip-stream", action="store_true")
     add_http_proxy_arg(p)
+    p.add_argument("--user-code-loop", choices=["auto", "separate", "shared"],
+                   default=ServerConfig.model_fields["user_code_loop"].default,
+                   help="server.user_code_loop: our code on Serve's user-code thread or the replica's main loop")
     p.add_argument("--out", default=str(ROOT / "results" / "serve_overhead.json"))
     args = p.parse_args()
     from cluster.launcher import select_http_proxy

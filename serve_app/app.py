@@ -43,10 +43,10 @@ SHARED_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE
 
 
 def replica_runtime_env(config: AppConfig) -> dict:
-    """``ray_actor_options`` entries every seekserve replica gets: with ``server.user_code_loop`` 'shared',
-    the environment that has Serve run our code on the replica's main loop (Ray merges a deployment's
-    env_vars into the job's)."""
-    if config.server.user_code_loop == "shared":
+    """``ray_actor_options`` entries every seekserve replica gets: where ``server.user_code_loop`` resolves
+    to 'shared', the environment that has Serve run our code on the replica's main loop (Ray merges a
+    deployment's env_vars into the job's)."""
+    if config.server.effective_user_code_loop() == "shared":
         return {"runtime_env": {"env_vars": dict(SHARED_LOOP_ENV)}}
     return {}
 

@@ -86,3 +86,18 @@ def test_bad_yaml_file(tmp_path):
 def test_engine_registry_unknown_name_lists_valid_ones():
     with pytest.raises(UnknownEngineError, match="hf, null"):
         get_engine_class("nope")
+
+
+@pytest.mark.parametrize("direct,loop,env", [
+    (False, "auto", None), (True, "auto", "0"), (False, "shared", "0"), (True, "separate", None)])
+def test_where_replicas_run_our_code_follows_the_layout_unless_set(direct, loop, env):
+    # 'auto': on the replica's main loop only where the replica serves HTTP itself (direct streaming)
+    from serve_app.app import replica_runtime_env
+
+    data = null_config()
+    data["server"] = {"user_code_loop": loop, **({"direct_streaming": True} if direct else {})}
+    if direct:
+        data["rollout"] = {"enabled": False}
+    got = replica_runtime_env(parse_config(data)).get("runtime_env", {}).get("env_vars", {})
+    assert got.get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == env
+    assert got.get("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP") == env

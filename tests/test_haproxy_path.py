@@ -59,8 +59,9 @@ ray.shutdown()
 """
 
 
-@pytest.mark.parametrize("ingress,loop", [("separate", "separate"), ("direct", "separate"), ("direct", "shared")])
-def test_the_app_serves_through_ray_serve_haproxy(ingress, loop):
+@pytest.mark.parametrize("ingress,loop,on_main_loop", [
+    ("separate", "auto", False), ("direct", "auto", True), ("direct", "separate", False)])
+def test_the_app_serves_through_ray_serve_haproxy(ingress, loop, on_main_loop):
     """With an Ingress deployment, and with direct streaming, where HAProxy hands each connection to the
     LLMServer replica itself; our code on Serve's user-code thread, or on the replica's main loop."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -75,8 +76,7 @@ def test_the_app_serves_through_ray_serve_haproxy(ingress, loop):
     assert r["bad_status"] == 400 and r["bad_body"]["error"]["param"] == "temperature"
     assert r["deployments"] == (["LLMServer-m-stable"] if ingress == "direct" else ["Ingress", "LLMServer-m-stable"])
     # Serve's own user-code thread is a plain threading.Thread; the main loop runs in Ray's "AsyncIO Thread"
-    on_main_loop = r["user_code_thread"].startswith("AsyncIO Thread")
-    assert on_main_loop == (loop == "shared"), r["user_code_thread"]
+    assert r["user_code_thread"].startswith("AsyncIO Thread") == on_main_loop, r["user_code_thread"]
 
 
 def test_the_switch_names_its_choices():
