@@ -30,11 +30,11 @@ from benchmarks.loadgen import (  # noqa: E402
     add_engine_process_arg,
     add_http_proxy_arg,
     add_ingress_arg,
+    add_user_code_loop_arg,
     free_port,
     ingress_server_keys,
     percentile,
 )
-from serve_app.config import ServerConfig  # noqa: E402
 
 ADMIN_TOKEN = "gpu-stack-bench"
 
@@ -217,7 +217,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
 
     res: dict = {"http_proxy": proxy, "engine_process": engine_process, "stream_interval_ms": args.stream_interval_ms,
                  "ingress": ingress, "ingress_replicas": 0 if ingress == "direct" else args.ingress_replicas,
-                 "user_code_loop": user_code_loop, "engine_options_set": dict(args.set)}
+                 "engine_options_set": dict(args.set)}
     trace_file = Path(args.work) / f"traces{arm_suffix(proxy, engine_process, ingress, user_code_loop)}.jsonl"
     trace_file.unlink(missing_ok=True)
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
@@ -369,11 +369,7 @@ def main() -> None:
                               "own, what 'auto' picks (the child on a GPU), or several one after the other "
                               "(each with every --http-proxy)", default="auto")
     add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
-    p.add_argument("--user-code-loop", choices=["auto", "separate", "shared"], nargs="+",
-                   default=[ServerConfig.model_fields["user_code_loop"].default],
-                   help="server.user_code_loop, several one after the other (each with every other arm; Ray "
-                        "restarts between): our code on Serve's user-code thread, or on the replica's main loop "
-                        "(default: the app's)")
+    add_user_code_loop_arg(p, many=True)  # several: each with every other arm
     p.add_argument("--steady-rounds", type=int, default=0,
                    help="requests per stream of a longer 64-concurrent load after the others (0: none), "
                         "against gpu_engine.py's of the same name")

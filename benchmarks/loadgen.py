@@ -43,6 +43,21 @@ def ingress_server_keys(ingress: str, ingress_replicas: int) -> dict:
     return {"direct_streaming": True} if ingress == "direct" else {"ingress_replicas": ingress_replicas}
 
 
+def add_user_code_loop_arg(p, many: bool = False) -> None:
+    """--user-code-loop: server.user_code_loop's choices and default (the app's); with many, several one
+    after the other."""
+    import typing
+
+    from serve_app.config import ServerConfig
+
+    field = ServerConfig.model_fields["user_code_loop"]
+    p.add_argument("--user-code-loop", choices=typing.get_args(field.annotation), nargs="+" if many else None,
+                   default=[field.default] if many else field.default,
+                   help="server.user_code_loop: our code on Serve's user-code thread ('separate'), on the "
+                        "replica's main loop ('shared'), or as the layout picks ('auto', the app's default)"
+                        + ("; several one after the other, Ray restarted between" if many else ""))
+
+
 def add_engine_process_arg(p, help_text: str, default: str = "inline") -> None:
     """--engine-process: engine.process values to run, in the order given."""
     from serve_app.engines.options import ENGINE_PROCESSES

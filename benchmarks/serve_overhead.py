@@ -23,13 +23,13 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import (  # noqa: E402
     add_http_proxy_arg,
+    add_user_code_loop_arg,
     free_port,
     percentile,
     print_table,
     run_load,
     save_json,
 )
-from serve_app.config import ServerConfig  # noqa: E402
 
 
 async def engine_direct(concurrency: int, n_tokens: int, max_requests: int, duration_s: float) -> dict:
@@ -197,9 +197,7 @@ def main() -> None:
                    help="set RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's direct ingress + gRPC transport)")
     p.add_argument("--skip-stream", action="store_true")
     add_http_proxy_arg(p)
-    p.add_argument("--user-code-loop", choices=["auto", "separate", "shared"],
-                   default=ServerConfig.model_fields["user_code_loop"].default,
-                   help="server.user_code_loop: our code on Serve's user-code thread or the replica's main loop")
+    add_user_code_loop_arg(p)
     p.add_argument("--out", default=str(ROOT / "results" / "serve_overhead.json"))
     args = p.parse_args()
     from cluster.launcher import select_http_proxy

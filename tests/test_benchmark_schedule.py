@@ -2,6 +2,8 @@
 stack's report of raw files, which docs/benchmarks.md's tables come from."""
 
 import random
+import sys
+from pathlib import Path
 
 from benchmarks.gpu_engine import FIRST_WAVE_SPAN_S, first_wave_arrivals
 
@@ -51,25 +53,29 @@ def test_each_stream_sends_its_next_request_as_soon_as_its_last_one_ends():
     assert res["full_window"] is None or res["full_window"]["output_tok_s"] > 0
 
 
-def test_the_stack_report_reads_raw_files_against_the_engine_and_its_compare(monkeypatch, capsys):
-    # docs/benchmarks.md's stack tables come from this report of committed raw files (no GPU, no Ray)
-    import sys
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
+
+def stack_report(monkeypatch, capsys, engine_json: str, *stack_files: str, extra: tuple = ()) -> str:
+    """What `gpu_stack.py --report` prints for committed raw files against an engine file (no GPU, no Ray),
+    with the loads of the runs the docs quote."""
     from benchmarks import gpu_stack
 
-    from pathlib import Path
+    monkeypatch.setattr(sys, "argv", [
+        "gpu_stack.py", "--concurrency", "32", "64", "--steady-rounds", "10",
+        "--engine-json", str(RESULTS / engine_json), *extra,
+        "--report", *(str(RESULTS / f) for f in stack_files)])
+    gpu_stack.main()
+    return capsys.readouterr().out
 
-    r = f"{Path(__file__).resolve().parent.parent / 'docs' / 'results'}/"
-    base = ["gpu_stack.py", "--concurrency", "32", "64", "--steady-rounds", "10",
-            "--engine-json", r + "gpu_engine-h200-2026-12-03-495d1e9-I.json"]
-    monkeypatch.setattr(sys, "argv", base + ["--report", r + "gpu_stack-h200-2026-12-03-495d1e9-I-python.json"])
-    gpu_stack.main()
-    out = capsys.readouterr().out
+
+def test_the_stack_report_reads_raw_files_against_the_engine_and_its_compare(monkeypatch, capsys):
+    # docs/benchmarks.md's stack tables come from this report of committed raw files
+    engine = "gpu_engine-h200-2026-12-03-495d1e9-I.json"
+    out = stack_report(monkeypatch, capsys, engine, "gpu_stack-h200-2026-12-03-495d1e9-I-python.json")
     assert "4686      4759  98 % of engine" in out and "+64.4 ms" in out
-    monkeypatch.setattr(sys, "argv", base + ["--engine-compare", "slots.prefill_graphs=false", "--report",
-                                             r + "gpu_stack-h200-2026-12-03-495d1e9-I-python-no-prefill-graphs.json"])
-    gpu_stack.main()
-    out = capsys.readouterr().out
+    out = stack_report(monkeypatch, capsys, engine, "gpu_stack-h200-2026-12-03-495d1e9-I-python-no-prefill-graphs.json",
+                       extra=("--engine-compare", "slots.prefill_graphs=false"))
     # the engine column is the engine's loads without the graphs, not its defaults
     assert "4269      4506  95 % of engine" in out and "+116.9 ms" in out
 
@@ -77,37 +83,18 @@ def test_the_stack_report_reads_raw_files_against_the_engine_and_its_compare(mon
 def test_the_stack_report_reads_a_partial_file_cut_before_serve_shut_down(monkeypatch, capsys):
     # run 74's call ran out in Serve's shutdown: its loads are only in the partial file, which lacks the stats
     # read after them (which process the engine ran in)
-    import sys
-    from pathlib import Path
-
-    from benchmarks import gpu_stack
-
-    r = f"{Path(__file__).resolve().parent.parent / 'docs' / 'results'}/"
-    monkeypatch.setattr(sys, "argv", [
-        "gpu_stack.py", "--concurrency", "32", "64", "--steady-rounds", "10",
-        "--engine-json", r + "gpu_engine-h200-2026-12-04-221f185-W-mixed512-warm1.json",
-        "--report", r + "gpu_stack-h200-2026-12-04-221f185-X-haproxy-direct-mixed512-partial.json"])
-    gpu_stack.main()
-    out = capsys.readouterr().out
+    out = stack_report(monkeypatch, capsys, "gpu_engine-h200-2026-12-04-221f185-W-mixed512-warm1.json",
+                       "gpu_stack-h200-2026-12-04-221f185-X-haproxy-direct-mixed512-partial.json")
     assert "engine in its own process" in out
     assert "5011      5097  98 % of engine" in out and "+29.6 ms" in out
 
 
 def test_the_stack_report_names_where_the_replica_ran_our_code_and_the_clients_lag(monkeypatch, capsys):
     # run 77's arms differ only in server.user_code_loop; files from before it ran on Serve's thread
-    import sys
-    from pathlib import Path
-
-    from benchmarks import gpu_stack
-
-    r = f"{Path(__file__).resolve().parent.parent / 'docs' / 'results'}/"
-    monkeypatch.setattr(sys, "argv", [
-        "gpu_stack.py", "--concurrency", "32", "64", "--steady-rounds", "10",
-        "--engine-json", r + "gpu_engine-h200-2026-12-04-5c93fcf-Y-mixed512-call3-probe.json",
-        "--report", r + "gpu_stack-h200-2026-12-04-5c93fcf-Y-haproxy-direct-shared-mixed512-call2.json",
-        r + "gpu_stack-h200-2026-12-04-221f185-X-haproxy-direct-mixed512-partial.json"])
-    gpu_stack.main()
-    shared, old = capsys.readouterr().out.split("\nfull stack")[1:]
+    out = stack_report(monkeypatch, capsys, "gpu_engine-h200-2026-12-04-5c93fcf-Y-mixed512-call3-probe.json",
+                       "gpu_stack-h200-2026-12-04-5c93fcf-Y-haproxy-direct-shared-mixed512-call2.json",
+                       "gpu_stack-h200-2026-12-04-221f185-X-haproxy-direct-mixed512-partial.json")
+    shared, old = out.split("\nfull stack")[1:]
     assert "our code on the replica main loop" in shared and "4461      4437  101 % of engine" in shared
     assert "+12.8 ms" in shared and "the client's own loop: late by p50 / p99 / max 0.15 / 2.42 / 8.1 ms" in shared
     assert "our code on Serve user-code thread" in old and "the client's own loop" not in old
