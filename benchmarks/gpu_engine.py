@@ -3,12 +3,18 @@ shape: Qwen2, hidden 3584, 28 layers, 28 heads, 4 KV heads, ffn 18944, vocab
 152064) with random bf16 weights and fixed lengths (512 prompt / 128 output
 tokens, EOS ignored).
 
-    python benchmarks/gpu_engine.py --tokenizer DIR [--out DIR]
+    python benchmarks/gpu_engine.py --tokenizer DIR [--engine-process inline|separate] [--out DIR]
 
 Runs on the device machine (see docs/benchmarks.md for the exact call).
 Measures: single-stream decode step, throughput at 64 concurrent requests
 arriving over time, TTFT p50/p95 at 32 concurrent, warm-up time. Prints a
 table last and writes gpu_engine.json.
+
+``--engine-process separate`` drives the engine in a child process of its
+own, as a GPU replica runs it (``engine.process``), with the same load from
+this process: of what the stack adds to the first token, the share of the
+hop between the two processes (gpu_engine_separate.json). With
+--model/--device cpu it runs the same path on the CPU (a check of the script).
 """
 
 from __future__ import annotations
@@ -108,11 +114,19 @@ async def run(args) -> dict:
 
     from serve_app.engines.registry import create_engine
 
-    model_dir = Path(args.work) / "qwen2-7b-random"
-    build_s = build_model_dir(model_dir, Path(args.tokenizer))
+    if args.model is None:
+        model_dir = Path(args.work) / "qwen2-7b-random"
+        build_s = build_model_dir(model_dir, Path(args.tokenizer))
+        options = engine_options(model_dir, args.kv_cache)
+    else:  # the script's check on the CPU box
+        build_s = 0.0
+        options = {**engine_options(Path("unused")), "model": args.model, "device": args.device, "dtype": "auto",
+                   "max_model_len": 1024}
+        options.pop("kv_cache")
+    options.update(dict(args.set))
     t0 = time.perf_counter()
-    options = {**engine_options(model_dir, args.kv_cache), **dict(args.set)}
-    engine = create_engine("hf", options)
+    # the child (separate) compiles and captures before it reports ready, as in a replica
+    engine = create_engine("hf", options, process=args.engine_process)
     await engine.start()
     ready_s = time.perf_counter() - t0
     # as Ray Serve does for every replica once its constructor returns (RAY_SERVE_FREEZE_GC_ON_STARTUP):
@@ -121,8 +135,9 @@ async def run(args) -> dict:
     gc.freeze()
     gc_pauses = gcpause.pauses()
     prompt, rng = prompt_draw(args.prompt)
-    results = {"build_model_s": build_s, "engine_ready_s": ready_s, "gpu": torch.cuda.get_device_name(0),
-               "kv_cache": args.kv_cache, "options": options,
+    results = {"build_model_s": build_s, "engine_ready_s": ready_s,
+               "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+               "engine_process": args.engine_process, "kv_cache": args.kv_cache, "options": options,
                # the default moved with the load (docs/gpu_notes.md runs 43-44, 52): the raw file says what ran
                "prefill_wait_steps": engine.options.max_prefill_wait_steps}
     out_dir = Path(args.out)
@@ -130,11 +145,14 @@ async def run(args) -> dict:
 
     def save():  # after every phase: a run cut short by a time limit still leaves what it measured
         # a variant (another kv_cache, --set) gets its own file: gpu_stack.py compares with gpu_engine.json
-        tag = "".join(f"_{x}" for x in ([args.kv_cache] if args.kv_cache != "auto" else []) + [k for k, _ in args.set])
+        tag = "".join(f"_{x}" for x in ([args.kv_cache] if args.kv_cache != "auto" else []) + [k for k, _ in args.set]
+                      + ([args.engine_process] if args.engine_process != "inline" else []))
         (out_dir / f"gpu_engine{tag}.json").write_text(
             json.dumps(results, indent=2))
 
-    slots = getattr(engine, "_slots", None)
+    slots = getattr(engine, "_slots", None)  # None in a child process: its graphs are measured inline only
+    if slots is None and engine.warm_up:
+        results.update(**{k: engine.warm_up.get(k) for k in ("prefill_graphs", "mixed_graphs", "mixed_compile_s")})
     if slots is not None:
         # the one-prompt prefill graphs as the replica reports them (its warm_up)
         w = engine.warm_up
@@ -164,6 +182,8 @@ async def run(args) -> dict:
         before = engine.stats()
         results[key] = await concurrent_load(lambda i, p: one(engine, f"{rid}-{i}", p, args.output), conc, draw,
                                              draw_rng, rounds)
+        if args.engine_process == "separate":
+            await asyncio.sleep(0.2)  # the child's counters come with its outputs, at most 50 ms apart
         after = engine.stats()
         # prefill_graph_passes: one-prompt passes replayed; prefill_eager_passes: shapes not compiled;
         # mixed_passes: one prompt and a decode step in one captured pass
@@ -496,9 +516,15 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
+    p.add_argument("--engine-process", default="inline", choices=["inline", "separate"],
+                   help="'separate': the engine in a child process, as a GPU replica runs it (no --compare: "
+                        "its options live in the child)")
+    p.add_argument("--model", default=None, help="a model instead of the random 7B (the script's check on the CPU)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--compare", action="append", type=_options, metavar="KEY=JSON[,KEY=JSON]",
                    help="scheduling options for another pair of concurrent runs on the same engine "
-                        f"(repeatable); default: {', '.join(compare_tag(c) for c in DEFAULT_COMPARE)}")
+                        f"(repeatable); default: {', '.join(compare_tag(c) for c in DEFAULT_COMPARE)} inline, "
+                        "none in a separate process")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="an engine option over the benchmark's own, e.g. --set cuda_graph_span_step=128")
     p.add_argument("--steady-rounds", type=int, default=10,
@@ -511,19 +537,24 @@ def main() -> None:
     # gpu_stack.py's cache (same --work): its deploy right after this run, on the same machine, then
     # loads the compiled passes instead of compiling them again (~100 s of its warm-up)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.work) / "inductor"))
-    args.compare = DEFAULT_COMPARE if args.compare is None else args.compare
+    if args.engine_process == "separate" and args.compare:
+        p.error("--compare changes options on the live engine, which a separate process keeps to itself")
+    if (args.model is None) != (args.device == "cuda"):
+        p.error("--model and --device cpu go together (the random 7B is built on the GPU)")
+    if args.compare is None:
+        args.compare = DEFAULT_COMPARE if args.engine_process == "inline" else []
     res = asyncio.run(run(args))
     floor_ms = 3.6
     s = res["single"]
-    print(f"\nGPU: {res['gpu']}; kv_cache {args.kv_cache}; prefill hold {res['prefill_wait_steps']} passes; "
+    print(f"\nGPU: {res['gpu']}; engine {args.engine_process}; kv_cache {args.kv_cache}; prefill hold {res['prefill_wait_steps']} passes; "
           f"model build {res['build_model_s']:.0f} s; "
-          f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {res.get('graphs', 0)} in "
-          f"{res.get('graph_capture_s', 0):.1f} s, of which compile {res.get('compile_s', 0):.1f} s "
-          f"+ prefill {res.get('prefill_compile_s', 0):.1f} s; {res.get('prefill_graphs', 0)} one-prompt prefill "
-          f"graphs in {res.get('prefill_graph_capture_s', 0):.1f} s, {res.get('prefill_graph_gb', 0):.2f} GB; "
-          f"mixed: compile {res.get('mixed_compile_s', 0):.1f} s, {res.get('mixed_graphs', 0)} graphs in "
-          f"{res.get('mixed_graph_capture_s', 0):.1f} s, {res.get('mixed_graph_gb', 0):.2f} GB; "
-          f"KV {res.get('kv_cache_gb', 0):.1f} GB)")
+          f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {(res.get('graphs') or 0)} in "
+          f"{(res.get('graph_capture_s') or 0):.1f} s, of which compile {(res.get('compile_s') or 0):.1f} s "
+          f"+ prefill {(res.get('prefill_compile_s') or 0):.1f} s; {(res.get('prefill_graphs') or 0)} one-prompt prefill "
+          f"graphs in {(res.get('prefill_graph_capture_s') or 0):.1f} s, {(res.get('prefill_graph_gb') or 0):.2f} GB; "
+          f"mixed: compile {(res.get('mixed_compile_s') or 0):.1f} s, {(res.get('mixed_graphs') or 0)} graphs in "
+          f"{(res.get('mixed_graph_capture_s') or 0):.1f} s, {(res.get('mixed_graph_gb') or 0):.2f} GB; "
+          f"KV {(res.get('kv_cache_gb') or 0):.1f} GB)")
     for key in ("mixed_compile_error", "mixed_graph_error"):
         if res.get(key):
             print(f"{key}: {res[key]}")

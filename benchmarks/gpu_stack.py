@@ -287,6 +287,9 @@ def print_report(res: dict, alone: dict | None, args) -> None:
           f"{front}, stream_interval_ms {args.stream_interval_ms:g}, our code on "
           f"{'the replica main loop' if loop == 'shared' else 'Serve user-code thread'}); "
           f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
+    if (alone or {}).get("engine_process") == "separate":
+        print("engine column: the engine alone in a process of its own, driven from the benchmark's (gpu_engine.py "
+              "--engine-process separate)")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
     for key, _, _, at in loads(args):
         c = res[key]
