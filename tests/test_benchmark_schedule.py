@@ -53,6 +53,17 @@ def test_each_stream_sends_its_next_request_as_soon_as_its_last_one_ends():
     assert res["full_window"] is None or res["full_window"]["output_tok_s"] > 0
 
 
+def test_queue_summary_counts_the_requests_that_met_their_pass_boundary():
+    from benchmarks.gpu_engine import queue_summary
+
+    assert queue_summary([]) is None
+    # in step with the passes: half within 2 ms; the rest waited a decode step or a mixed pass
+    q = queue_summary([0.0005, 0.0012, 0.0019, 0.0001, 0.005, 0.006, 0.015, 0.016])
+    assert q["under_2ms_share"] == 0.5
+    assert 1.0 < q["p50_ms"] < 6.0 and q["p95_ms"] == 16.0
+    assert queue_summary([0.003, 0.004])["under_2ms_share"] == 0.0
+
+
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
