@@ -87,6 +87,21 @@ def build_model_dir(path: Path, tokenizer_dir: Path) -> float:
     return time.perf_counter() - t0
 
 
+def bench_options(work: Path, tokenizer: str | None, model: str | None = None, device: str = "cuda",
+                  kv_cache: str = "auto") -> tuple[dict, float | None]:
+    """(engine options, seconds the model took to build) as both GPU benchmarks run: the random 7B, built
+    under ``work`` on first use (None for a given ``model``, e.g. embedded:smollm2-135m-instruct with device
+    cpu: the scripts' check on the CPU box)."""
+    if model is None:
+        model_dir = Path(work) / "qwen2-7b-random"
+        return engine_options(model_dir, kv_cache), build_model_dir(model_dir, Path(tokenizer))
+    opts = {**engine_options(Path("unused"), kv_cache), "model": model, "device": device, "dtype": "auto",
+            "max_model_len": 1024}
+    if device == "cpu":
+        opts.pop("kv_cache")
+    return opts, None
+
+
 async def one(engine, rid, prompt, out_tokens, arrive_s=0.0, temperature=0.0):
     from serve_app.engines.base import GenerationRequest, SamplingParams
 
@@ -114,15 +129,7 @@ async def run(args) -> dict:
 
     from serve_app.engines.registry import create_engine
 
-    if args.model is None:
-        model_dir = Path(args.work) / "qwen2-7b-random"
-        build_s = build_model_dir(model_dir, Path(args.tokenizer))
-        options = engine_options(model_dir, args.kv_cache)
-    else:  # the script's check on the CPU box
-        build_s = 0.0
-        options = {**engine_options(Path("unused")), "model": args.model, "device": args.device, "dtype": "auto",
-                   "max_model_len": 1024}
-        options.pop("kv_cache")
+    options, build_s = bench_options(args.work, args.tokenizer, args.model, args.device, args.kv_cache)
     options.update(dict(args.set))
     t0 = time.perf_counter()
     # the child (separate) compiles and captures before it reports ready, as in a replica
@@ -553,15 +560,15 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.work) / "inductor"))
     if args.engine_process == "separate" and args.compare:
         p.error("--compare changes options on the live engine, which a separate process keeps to itself")
-    if (args.model is None) != (args.device == "cuda"):
-        p.error("--model and --device cpu go together (the random 7B is built on the GPU)")
+    if args.model is None and args.device == "cpu":
+        p.error("--device cpu needs --model (the random 7B is built on the GPU)")
     if args.compare is None:
         args.compare = DEFAULT_COMPARE if args.engine_process == "inline" else []
     res = asyncio.run(run(args))
     floor_ms = 3.6
     s = res["single"]
     print(f"\nGPU: {res['gpu']}; engine {args.engine_process}; kv_cache {args.kv_cache}; prefill hold {res['prefill_wait_steps']} passes; "
-          f"model build {res['build_model_s']:.0f} s; "
+          f"model build {res['build_model_s'] or 0:.0f} s; "
           f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {(res.get('graphs') or 0)} in "
           f"{(res.get('graph_capture_s') or 0):.1f} s, of which compile {(res.get('compile_s') or 0):.1f} s "
           f"+ prefill {(res.get('prefill_compile_s') or 0):.1f} s; {(res.get('prefill_graphs') or 0)} one-prompt prefill "

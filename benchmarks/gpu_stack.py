@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import (  # noqa: E402
-    WARM_PROMPT_SEED, _option, build_model_dir, concurrent_load, engine_options, prompt_draw)
+    WARM_PROMPT_SEED, _option, bench_options, concurrent_load, prompt_draw)
 from benchmarks.loadgen import (  # noqa: E402
     add_engine_process_arg,
     add_http_proxy_arg,
@@ -404,15 +404,7 @@ def main() -> None:
     # one Inductor cache for every Ray this run starts, so a second deployment's compile hits it
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.work) / "inductor"))
 
-    build_s = None
-    if args.model is None:
-        build_s = build_model_dir(Path(args.work) / "qwen2-7b-random", Path(args.tokenizer))
-        opts = engine_options(Path(args.work) / "qwen2-7b-random")
-    else:
-        opts = {**engine_options(Path("unused")), "model": args.model, "device": args.device,
-                "dtype": "auto", "max_model_len": 1024}
-    if args.device == "cpu":
-        opts.pop("kv_cache")
+    opts, build_s = bench_options(args.work, args.tokenizer, args.model, args.device)
     opts.update(dict(args.set))
     gpus = 1 if args.device == "cuda" else 0
 
