@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from serve_app.config import parse_config
 from serve_app.engines.base import GenerationRequest, SamplingParams
-from serve_app.engines.registry import create_engine
+from serve_app.engines.registry import create_engine, get_engine_class
 from serve_app.errors import ContextLengthExceededError, EngineError, EngineNotReadyError, OverloadedError
 from tests.conftest import deploy_app, null_config, smol_config, wait_for
 
@@ -124,6 +124,21 @@ async def test_concurrent_streams_share_the_child_batch_and_stats_come_back(smol
     # the child reports its engine's counters on its own; the last burst within ~50 ms
     s = await _eventually(lambda: separate.stats().generated_tokens >= before + made)
     assert s and separate.stats().num_running == 0 and separate.stats().healthy
+
+
+@pytestmark_async
+async def test_a_backend_without_submit_streams_through_the_child_by_generator():
+    # the null engine has no submit(): the child's relay iterates its generate() instead (hf pushes, above)
+    null = create_engine("null", {"num_tokens": 5, "tokens_per_s": 1000, "token_text": "x"}, process="separate")
+    await null.start()
+    try:
+        assert not get_engine_class("null").supports_submit and get_engine_class("hf").supports_submit
+        chunks = await run(null, "n", [1, 2, 3], max_tokens=5)
+        assert "".join(c.text for c in chunks) == "xxxxx" and chunks[-1].finish_reason == "length"
+        with pytest.raises(ContextLengthExceededError):
+            await run(null, "too-long", [1] * 10_000, max_tokens=5)
+    finally:
+        await null.shutdown()
 
 
 @pytestmark_async

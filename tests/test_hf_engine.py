@@ -51,6 +51,51 @@ async def test_greedy_answer_is_real(engine):
     assert chunks[-1].num_generated_tokens == len(ids_of(chunks))
 
 
+class ListSink:
+    """A sink for Engine.submit: what the engine pushes, in order."""
+
+    def __init__(self):
+        self.items = []
+
+    def put_nowait(self, item):
+        self.items.append(item)
+
+    def ended(self) -> bool:
+        return bool(self.items) and (isinstance(self.items[-1], BaseException)
+                                     or self.items[-1].finish_reason is not None)
+
+
+async def until_ended(sink: ListSink, timeout_s: float = 60.0) -> list:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not sink.ended():
+        assert asyncio.get_running_loop().time() < deadline, sink.items
+        await asyncio.sleep(0.01)
+    return sink.items
+
+
+async def test_submit_pushes_what_generate_streams(engine):
+    # the engine process's relay takes chunks this way (no generator, no task per request)
+    assert engine.supports_submit
+    ids = engine.encode_chat([{"role": "user", "content": "Name three colours."}])
+    streamed = await run(engine, "gen", ids, temperature=0, max_tokens=12)
+    sink = ListSink()
+    engine.submit(GenerationRequest("pushed", ids, SamplingParams(temperature=0, max_tokens=12)), sink)
+    pushed = await until_ended(sink)
+    assert ids_of(pushed) == ids_of(streamed) and text_of(pushed) == text_of(streamed)
+    assert pushed[-1].finish_reason == streamed[-1].finish_reason == "length"
+    assert pushed[0].queue_time_s is not None
+    # refused before it is queued: raised by submit itself, nothing pushed
+    refused = ListSink()
+    with pytest.raises(ContextLengthExceededError):
+        engine.submit(GenerationRequest("too-long", [1] * 2040, SamplingParams(max_tokens=20)), refused)
+    assert refused.items == []
+    # only abort() stops a pushed request: its last item says so
+    stopped = ListSink()
+    engine.submit(GenerationRequest("stop-me", ids, SamplingParams(temperature=0, max_tokens=1000)), stopped)
+    await engine.abort("stop-me")
+    assert (await until_ended(stopped))[-1].finish_reason == "abort"
+
+
 async def test_batched_greedy_equals_sequential_and_shares_forward_passes(engine):
     prompts = [
         engine.encode_chat([{"role": "user", "content": f"Write the numbers from {i} to {i + 4}."}])

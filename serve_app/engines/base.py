@@ -148,6 +148,8 @@ class Engine(abc.ABC):
     max_tensor_parallel_size: ClassVar[int] = 1
     #: the backend places its own rank workers in the replica's placement group
     places_own_workers: ClassVar[bool] = False
+    #: the backend implements :meth:`submit` (chunks pushed to a sink, no generator per request)
+    supports_submit: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel, parallel: ParallelConfig | None = None):
         self.options = options
@@ -183,6 +185,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineChunk]:
         """Stream chunks for one request (see the module docstring)."""
+
+    def submit(self, request: GenerationRequest, sink) -> None:
+        """What :meth:`generate` streams, pushed instead: ``sink.put_nowait(item)`` on the calling event loop's
+        thread for every chunk, then once for the finish (a chunk with ``finish_reason``) or an exception
+        instead. Errors found before the request is queued raise here. Nothing aborts the request but
+        :meth:`abort`. For a relay that forwards every chunk anyway (the engine's own process): a generator per
+        request costs it a task wake-up per chunk. Backends with ``supports_submit`` implement it."""
+        raise NotImplementedError(f"the {self.name!r} backend streams through generate() only")
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

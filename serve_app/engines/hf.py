@@ -128,6 +128,7 @@ class HFEngine(HFTokenization, Engine):
     name = "hf"
     options_model = HFEngineOptions
     max_tensor_parallel_size = 64
+    supports_submit = True
 
     def __init__(self, options: HFEngineOptions, parallel=None):
         super().__init__(options, parallel)
@@ -315,7 +316,10 @@ class HFEngine(HFTokenization, Engine):
             if not seq.finished:
                 self._request_abort(request.request_id)
 
-    def _submit(self, request: GenerationRequest) -> _Seq:
+    def submit(self, request: GenerationRequest, sink) -> None:
+        self._submit(request, sink)
+
+    def _submit(self, request: GenerationRequest, queue=None) -> _Seq:
         import torch
 
         if not self._ready or self._stopping:
@@ -338,7 +342,7 @@ class HFEngine(HFTokenization, Engine):
         seq = _Seq(
             req=request,
             loop=asyncio.get_running_loop(),
-            queue=asyncio.Queue(),
+            queue=asyncio.Queue() if queue is None else queue,
             detok=IncrementalDetokenizer(self._backend_tokenizer),
             stops=StopStringFilter(sp.stop),
             generator=gen,
