@@ -27,6 +27,14 @@ Stats
 
 Closing the iterator early (``aclose()``, task cancellation, a client that
 disconnects) aborts the request: the engine frees its slot and cache.
+
+Pushed chunks (optional, ``supports_submit``)
+    ``submit(request, sink)`` delivers the same chunks, in the same order, by
+    ``sink.put_nowait(chunk)`` on the caller's event loop; a failure while
+    generating arrives as the exception instead of the last chunk. Admission
+    errors raise from ``submit`` itself. There is no iterator to close, so
+    only :meth:`Engine.abort` stops the request. The engine process's relay
+    uses it to forward a whole engine step as one message.
 """
 
 from __future__ import annotations
