@@ -353,9 +353,9 @@ class _Relay:
             self.stopped.set_result(None)
 
     def _submit(self, req: GenerationRequest) -> None:
-        # the engine's chunks go straight into the next message: a task per request would wake once per chunk
-        # (64 wake-ups per engine step at 64 streams, ~1.2 ms of this process's CPU per step on the CPU box:
-        # benchmarks/relay_cpu.py), all of it GIL the engine's thread waits for
+        # the engine's chunks go straight into the next message: a task per request wakes once per chunk, 64
+        # times an engine step at 64 streams (the relay's CPU per step 1.35-1.43 ms that way on the CPU box,
+        # 0.74-0.83 this way: benchmarks/relay_cpu.py), and all of it is GIL the engine's thread waits for
         try:
             self.engine.submit(req, _RelaySink(self, req.request_id))
         except SeekserveError as e:
