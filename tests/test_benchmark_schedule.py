@@ -160,3 +160,26 @@ def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
     both = simulate(**three, prices=with_mixed)
     # two waiting prompts: one prefill pass for both, or (one per pass) two mixed passes
     assert one["prefill_passes"] == both["prefill_passes"] + 1
+
+
+def test_relay_cpu_reads_one_threads_cpu_from_proc():
+    # benchmarks/relay_cpu.py charges the engine process's relay with its main thread's CPU only
+    import os
+    import threading
+    import time
+
+    from benchmarks.relay_cpu import thread_cpu_s
+
+    pid = os.getpid()
+    before = thread_cpu_s(pid, pid)
+    t_end = time.process_time() + 0.3
+    while time.process_time() < t_end:  # busy in this (the main) thread
+        pass
+    busy = thread_cpu_s(pid, pid) - before
+    assert busy >= 0.2
+    # another thread's work is not the main thread's
+    before = thread_cpu_s(pid, pid)
+    worker = threading.Thread(target=lambda: sum(i * i for i in range(3_000_000)))
+    worker.start()
+    worker.join()
+    assert thread_cpu_s(pid, pid) - before < 0.1
