@@ -567,15 +567,18 @@ def main() -> None:
     res = asyncio.run(run(args))
     floor_ms = 3.6
     s = res["single"]
-    print(f"\nGPU: {res['gpu']}; engine {args.engine_process}; kv_cache {args.kv_cache}; prefill hold {res['prefill_wait_steps']} passes; "
-          f"model build {res['build_model_s'] or 0:.0f} s; "
-          f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {(res.get('graphs') or 0)} in "
-          f"{(res.get('graph_capture_s') or 0):.1f} s, of which compile {(res.get('compile_s') or 0):.1f} s "
-          f"+ prefill {(res.get('prefill_compile_s') or 0):.1f} s; {(res.get('prefill_graphs') or 0)} one-prompt prefill "
-          f"graphs in {(res.get('prefill_graph_capture_s') or 0):.1f} s, {(res.get('prefill_graph_gb') or 0):.2f} GB; "
-          f"mixed: compile {(res.get('mixed_compile_s') or 0):.1f} s, {(res.get('mixed_graphs') or 0)} graphs in "
-          f"{(res.get('mixed_graph_capture_s') or 0):.1f} s, {(res.get('mixed_graph_gb') or 0):.2f} GB; "
-          f"KV {(res.get('kv_cache_gb') or 0):.1f} GB)")
+    def n(key: str):  # a warm-up figure, 0 where this run has none (a child process, the CPU, no mixed passes)
+        return res.get(key) or 0
+
+    print(f"\nGPU: {res['gpu']}; engine {args.engine_process}; kv_cache {args.kv_cache}; prefill hold "
+          f"{res['prefill_wait_steps']} passes; model build {n('build_model_s'):.0f} s; "
+          f"engine load + warm-up {res['engine_ready_s']:.1f} s (graphs: {n('graphs')} in "
+          f"{n('graph_capture_s'):.1f} s, of which compile {n('compile_s'):.1f} s "
+          f"+ prefill {n('prefill_compile_s'):.1f} s; {n('prefill_graphs')} one-prompt prefill "
+          f"graphs in {n('prefill_graph_capture_s'):.1f} s, {n('prefill_graph_gb'):.2f} GB; "
+          f"mixed: compile {n('mixed_compile_s'):.1f} s, {n('mixed_graphs')} graphs in "
+          f"{n('mixed_graph_capture_s'):.1f} s, {n('mixed_graph_gb'):.2f} GB; "
+          f"KV {n('kv_cache_gb'):.1f} GB)")
     for key in ("mixed_compile_error", "mixed_graph_error"):
         if res.get(key):
             print(f"{key}: {res[key]}")

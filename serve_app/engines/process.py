@@ -297,6 +297,12 @@ class SeparateProcessEngine(Engine):
 
 
 # ---- the child --------------------------------------------------------------
+def _request_error(e: BaseException) -> SeekserveError:
+    """One request's failure as the replica raises it: ours as they are, anything else an EngineError (that
+    request's error, not the child's end)."""
+    return e if isinstance(e, SeekserveError) else EngineError(f"generation failed: {e}")
+
+
 class _RelaySink:
     """One request's chunks from :meth:`Engine.submit` into the relay's next message."""
 
@@ -306,9 +312,7 @@ class _RelaySink:
         self.relay, self.rid = relay, rid
 
     def put_nowait(self, item: Any) -> None:
-        if isinstance(item, BaseException) and not isinstance(item, SeekserveError):
-            item = EngineError(f"generation failed: {item}")
-        self.relay._out(self.rid, item)
+        self.relay._out(self.rid, _request_error(item) if isinstance(item, BaseException) else item)
 
 
 class _Relay:
@@ -358,23 +362,24 @@ class _Relay:
         # 0.74-0.83 this way: benchmarks/relay_cpu.py), and all of it is GIL the engine's thread waits for
         try:
             self.engine.submit(req, _RelaySink(self, req.request_id))
-        except SeekserveError as e:
-            self._out(req.request_id, e)
-        except Exception as e:  # as _run: the request's failure, not the child's end
-            log.exception("request %s failed", req.request_id)
-            self._out(req.request_id, EngineError(f"generation failed: {e}"))
+        except Exception as e:
+            self._fail(req.request_id, e)
 
     async def _run(self, req: GenerationRequest) -> None:
         try:
             async for chunk in self.engine.generate(req):
                 self._out(req.request_id, chunk)
-        except SeekserveError as e:
-            self._out(req.request_id, e)
-        except Exception as e:  # one request's failure is that request's error, not the child's end
-            log.exception("request %s failed", req.request_id)
-            self._out(req.request_id, EngineError(f"generation failed: {e}"))
+        except Exception as e:
+            self._fail(req.request_id, e)
         finally:
             self.tasks.pop(req.request_id, None)
+
+    def _fail(self, rid: str, e: Exception) -> None:
+        """In an except block: the request's error to the replica; a failure not of ours logged with its
+        traceback."""
+        if not isinstance(e, SeekserveError):
+            log.exception("request %s failed", rid)
+        self._out(rid, _request_error(e))
 
     async def _health(self, n: int) -> None:
         try:
