@@ -4,6 +4,7 @@ shape: Qwen2, hidden 3584, 28 layers, 28 heads, 4 KV heads, ffn 18944, vocab
 tokens, EOS ignored).
 
     python benchmarks/gpu_engine.py --tokenizer DIR [--engine-process inline|separate] [--out DIR]
+    python benchmarks/gpu_engine.py --queue-report ENGINE_JSON...   # the engine's queue of earlier raw files
 
 Runs on the device machine (see docs/benchmarks.md for the exact call).
 Measures: single-stream decode step, throughput at 64 concurrent requests
@@ -473,6 +474,23 @@ def queue_summary(queue_s: list[float]) -> dict | None:
             "under_2ms_share": round(sum(1 for q in ms if q < 2.0) / len(ms), 3)}
 
 
+def print_queue_report(files: list[str]) -> None:
+    """Each raw file's loads: TTFT p50, the engine's queue (:func:`queue_summary`) and the median of the rest of
+    the first token after admission, from the per-request records (also of files written before the run
+    recorded its queue summary)."""
+    print(f"{'file / load':<44}{'TTFT p50':>9}{'queue p50':>10}{'p95':>7}{'<2 ms':>7}{'after p50':>10}  (ms)")
+    for f in files:
+        res = json.loads(Path(f).read_text())
+        print(f"{Path(f).name} (engine {res.get('engine_process', 'inline')})")
+        for key in ("concurrency_32", "concurrency_64", "concurrency_64_steady"):
+            rows = [r for r in res.get(key, {}).get("per_request", []) if r[2] is not None]
+            if not rows:
+                continue
+            q = queue_summary([r[2] / 1000 for r in rows])
+            print(f"{'  ' + key:<44}{percentile([r[1] for r in rows], 50):>9.1f}{q['p50_ms']:>10.1f}{q['p95_ms']:>7.1f}"
+                  f"{100 * q['under_2ms_share']:>6.0f}%{percentile([r[1] - r[2] for r in rows], 50):>10.1f}")
+
+
 def full_window(rs: list[dict], conc: int) -> dict | None:
     """Output tok/s while all `conc` streams were in flight: from the first token of the last stream's
     first request to the end of the first stream that had nothing more to send. The run's own tok/s
@@ -532,7 +550,7 @@ DEFAULT_COMPARE = [{"max_prefill_wait_steps": 8}]
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tokenizer", required=True, help="a tokenizer directory (ids are drawn at random anyway)")
+    p.add_argument("--tokenizer", help="a tokenizer directory (ids are drawn at random anyway; required to run)")
     p.add_argument("--work", default="/tmp/seekserve-bench")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=128)
@@ -554,7 +572,12 @@ def main() -> None:
                    help="requests per stream of a 64-concurrent load run and discarded before the measured ones "
                         "(0: none, as every run before 2026-12-04's fourteenth session)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
+    p.add_argument("--queue-report", nargs="+", metavar="ENGINE_JSON",
+                   help="run nothing: print the engine's queue per load from these raw files' per-request records")
     args = p.parse_args()
+    if args.queue_report:
+        print_queue_report(args.queue_report)
+        return
     # gpu_stack.py's cache (same --work): its deploy right after this run, on the same machine, then
     # loads the compiled passes instead of compiling them again (~100 s of its warm-up)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.work) / "inductor"))
@@ -562,6 +585,8 @@ def main() -> None:
         p.error("--compare changes options on the live engine, which a separate process keeps to itself")
     if args.model is None and args.device == "cpu":
         p.error("--device cpu needs --model (the random 7B is built on the GPU)")
+    if args.tokenizer is None and args.model is None:
+        p.error("--tokenizer is required to build the random 7B")
     if args.compare is None:
         args.compare = DEFAULT_COMPARE if args.engine_process == "inline" else []
     res = asyncio.run(run(args))

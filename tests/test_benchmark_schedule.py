@@ -183,3 +183,18 @@ def test_relay_cpu_reads_one_threads_cpu_from_proc():
     worker.start()
     worker.join()
     assert thread_cpu_s(pid, pid) - before < 0.1
+
+
+def test_the_queue_report_reads_the_engine_queue_from_per_request_records(monkeypatch, capsys):
+    # docs/benchmarks.md's seventeenth-session queue figures come from this report of committed raw files
+    from benchmarks import gpu_engine
+
+    monkeypatch.setattr(sys, "argv", ["gpu_engine.py", "--queue-report",
+                                      str(RESULTS / "gpu_engine-h200-2026-12-04-075255b-AA-mixed512-inline-cold-probe.json"),
+                                      str(RESULTS / "gpu_engine-h200-2026-12-04-075255b-AA-mixed512-separate-warm.json")])
+    gpu_engine.main()
+    inline, separate = capsys.readouterr().out.split("(engine ")[1:]
+    assert inline.startswith("inline)") and separate.startswith("separate)")
+    # TTFT p50, queue p50 / p95, share within 2 ms, the rest after admission: the engine inline, then in its child
+    assert "concurrency_64_steady                          44.0       5.6   53.1    36%      34.3" in inline
+    assert "concurrency_64_steady                          58.8      15.2   51.3     2%      41.0" in separate
