@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import json
 import os
@@ -208,7 +209,7 @@ async def run(args) -> dict:
         await load(f"concurrency_{conc}", conc, f"c{conc}")
     if args.steady_rounds:
         await load("concurrency_64_steady", 64, "st", args.steady_rounds)
-    if slots is not None:
+    if slots is not None and not args.skip_probes:
         results["prefill_pass_ms"] = prefill_pass_ms(slots, args.prompt)
         save()
     # the same loads under other options, changed on the live engine (no second compile): an engine
@@ -227,7 +228,7 @@ async def run(args) -> dict:
             await load(f"concurrency_64_steady_{compare_tag(change)}", 64, f"ps{k}", args.steady_rounds)
         for key, value in base.items():
             setattr(*targets[key], value)
-    if slots is not None and slots.use_graphs:
+    if slots is not None and slots.use_graphs and not args.skip_probes:
         results["graph_replay_ms"] = graph_replay_ms(slots)
         results["graph_replay_ms_by_span"] = graph_replay_ms_by_span(slots)
         results["graphs_at_end"] = len(slots.graphs)
@@ -445,6 +446,8 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3) -> dict
     texts = [r["ttft_text_s"] for r in ok if r.get("ttft_text_s") is not None]
     return {
         "requests": n, "failed": n - len(ok), "output_tok_s": sum(r["tokens"] for r in ok) / wall,
+        # every request asks for the same fixed length: another count is a token lost or doubled
+        "token_counts": {str(k): v for k, v in sorted(collections.Counter(r["tokens"] for r in ok).items())},
         "first_wave_last_arrival_s": round(first[-1], 3),
         "full_window": full_window(ok, conc) if len(ok) == n else None,
         "ttft_p50_ms": 1000 * percentile([r["ttft_s"] for r in ok], 50),
@@ -571,6 +574,8 @@ def main() -> None:
     p.add_argument("--warm-rounds", type=int, default=1,
                    help="requests per stream of a 64-concurrent load run and discarded before the measured ones "
                         "(0: none, as every run before 2026-12-04's fourteenth session)")
+    p.add_argument("--skip-probes", action="store_true",
+                   help="no pass and graph-replay probes after the loads (inline: they take ~30 s)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     p.add_argument("--queue-report", nargs="+", metavar="ENGINE_JSON",
                    help="run nothing: print the engine's queue per load from these raw files' per-request records")
@@ -614,12 +619,19 @@ def main() -> None:
     c64, c32 = res["concurrency_64"], res["concurrency_32"]
     print(f"{'output tok/s at 64 concurrent':<34}{c64['output_tok_s']:>12.0f}  >= 6000")
 
+    def print_queue(label: str, r: dict) -> None:
+        q = r.get("engine_queue")
+        if q:
+            print(f"{label:<34}{q['p50_ms']:>12.1f}{q['p95_ms']:>8.1f}"
+                  f"  ({100 * q['under_2ms_share']:.0f} % admitted within 2 ms)")
+
     def print_steady(label: str, r: dict) -> None:
         print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill, "
               f"{r.get('prefill_graph_passes', 0)} of them replayed, {r.get('mixed_passes', 0)} mixed)")
         if r.get("full_window"):
             w = r["full_window"]
             print(f"{'    while all 64 were in flight':<34}{w['output_tok_s']:>12.0f}  ({w['start_s']:.1f}-{w['end_s']:.1f} s)")
+        print(f"{'    TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.1f}{r['ttft_p50_ms']:>8.1f}")
 
     if "concurrency_64_steady" in res:
         print_steady(f"  {args.steady_rounds} requests per stream", res["concurrency_64_steady"])
@@ -637,10 +649,7 @@ def main() -> None:
               + ", ".join(f"{r[0]:.2f}/{r[1]:.0f}/{'?' if r[2] is None else f'{r[2]:.0f}'}" for r in slow))
     print(f"{'single-stream TTFT / first text':<34}{s['ttft_ms']:>12.1f}{s['ttft_text_ms']:>8.1f}")
     for key, label in (("concurrency_32", "32"), ("concurrency_64", "64"), ("concurrency_64_steady", "64 steady")):
-        q = res.get(key, {}).get("engine_queue")
-        if q:
-            print(f"{f'engine queue at {label}: p50 / p95 ms':<34}{q['p50_ms']:>12.1f}{q['p95_ms']:>8.1f}"
-                  f"  ({100 * q['under_2ms_share']:.0f} % admitted within 2 ms)")
+        print_queue(f"engine queue at {label}: p50 / p95 ms", res.get(key, {}))
     for change in args.compare:
         print(f"with {compare_tag(change)}:")
         for conc in (32, 64):
@@ -649,8 +658,15 @@ def main() -> None:
             print(f"{f'  TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.0f}{r['ttft_p50_ms']:>8.0f}")
             print(f"{f'  forward / prefill / replayed / mixed':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}"
                   f"{r.get('prefill_graph_passes', 0):>8d}{r.get('mixed_passes', 0):>8d}")
+            print_queue("  engine queue: p50 / p95 ms", r)
         if f"concurrency_64_steady_{compare_tag(change)}" in res:
-            print_steady(f"  64, {args.steady_rounds} per stream: tok/s", res[f"concurrency_64_steady_{compare_tag(change)}"])
+            r = res[f"concurrency_64_steady_{compare_tag(change)}"]
+            print_steady(f"  64, {args.steady_rounds} per stream: tok/s", r)
+            print_queue("    engine queue: p50 / p95 ms", r)
+    for key in [k for k in res if k.startswith(("concurrency_", "warm_load"))]:
+        counts = res[key].get("token_counts")
+        if counts and set(counts) != {str(args.output)}:
+            print(f"{key}: requests by tokens received {counts}, all asked for {args.output}")
     for key, r in res.get("prefill_pass_ms", {}).items():
         print(f"{f'prefill pass {key} x {args.prompt} (ms)':<34}{r['ms']:>12.2f}{r['gemm_tflop_s']:>8d} TFLOP/s")
     if res.get("prefill_graph_error"):

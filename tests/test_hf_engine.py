@@ -249,9 +249,10 @@ async def test_static_slots_match_dynamic_cache_and_rows_do_not_leak(embedded_mo
         await slots.shutdown()
 
 
-async def staggered(eng, tag, prompts, noise_tokens=80):
-    """Greedy answers to ``prompts``, sent 4 forward passes apart while a sampled stream decodes throughout, so
-    each arrives alone while rows decode."""
+async def staggered(eng, tag, prompts, noise_tokens=80, **sampling):
+    """Answers to ``prompts`` (greedy unless ``sampling`` says otherwise), sent 4 forward passes apart while a
+    sampled stream decodes throughout, so each arrives alone while rows decode."""
+    sampling = {"temperature": 0, "max_tokens": 24, **sampling}
     start = eng.stats().forward_passes
     noise = asyncio.create_task(run(eng, f"{tag}-noise", prompts[1], temperature=1.0, max_tokens=noise_tokens,
                                     ignore_eos=True))
@@ -259,7 +260,7 @@ async def staggered(eng, tag, prompts, noise_tokens=80):
     for i, p in enumerate(prompts):
         while eng.stats().forward_passes < start + 4 * (i + 1):
             await asyncio.sleep(0.002)
-        tasks.append(asyncio.create_task(run(eng, f"{tag}{i}", p, temperature=0, max_tokens=24)))
+        tasks.append(asyncio.create_task(run(eng, f"{tag}{i}", p, **sampling)))
     got = [ids_of(chunks) for chunks in await asyncio.gather(*tasks)]
     assert len(ids_of(await noise)) == noise_tokens
     return got
@@ -273,9 +274,11 @@ async def test_prompts_prefilled_inside_the_running_rows_decode_step_change_no_a
     try:
         prompts = [eng.encode_chat([{"role": "user", "content": q}]) for q in
                    ("What is the capital of France?", "Name three colours.", "Count to five.", "Say hi.")]
-        staggered_ = lambda tag: staggered(eng, tag, prompts)  # noqa: E731
+        staggered_ = lambda tag, **kw: staggered(eng, tag, prompts, **kw)  # noqa: E731
 
         separate = await staggered_("sep")
+        seeded = dict(temperature=0.8, seed=11, max_tokens=12)
+        seeded_apart = await staggered_("seed-a", **seeded)
         assert eng.stats().mixed_passes == 0 and eng.warm_up["mixed_graphs"] == 0
         eng._slots.mixed_graph_tokens = 128
         eng._slots.capture_mixed_graphs()
@@ -285,6 +288,16 @@ async def test_prompts_prefilled_inside_the_running_rows_decode_step_change_no_a
         assert mixed == separate
         # every greedy prompt arrived alone while the sampled stream decoded
         assert eng.stats().mixed_passes == len(prompts) == eng.stats().prefill_passes - passes - 1
+        assert eng.stats().num_running == 0 and eng.stats().kv_cache_usage == 0.0
+        # the first token drawn on the device (plain temperature: Gumbel-max), as the rows' are: at a temperature
+        # this low the draw is the greedy pick, so a token lost, doubled or not made the row's input shows
+        cold = await staggered_("cold", temperature=1e-6)
+        assert cold == separate
+        # sampling that needs the host (a seed) reads its first token right after the mixed pass, as after a
+        # prefill; only the first prompt meets rows that all sample on the device, so only it goes mixed
+        mixed = eng.stats().mixed_passes
+        seeded_mixed = await staggered_("seed-m", **seeded)
+        assert seeded_mixed == seeded_apart and eng.stats().mixed_passes == mixed + 1
         assert eng.stats().num_running == 0 and eng.stats().kv_cache_usage == 0.0
     finally:
         await eng.shutdown()

@@ -39,6 +39,7 @@ from serve_app.errors import (
 
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest
 from .hf_batch import LocalRunner, resolve_device_dtype
+from .launch_timing import PassTimer, launch_wait_s
 from .options import HFEngineOptions
 from .prefill_policy import PrefillContext, hold_prefill
 from .textproc import IncrementalDetokenizer, StopStringFilter
@@ -74,6 +75,20 @@ class _Seq:
         """Sampled on the GPU without a host round trip (greedy, or plain temperature)."""
         sp = self.req.sampling
         return sp.top_logprobs == 0 and (sp.temperature == 0 or (sp.top_p >= 1.0 and sp.seed is None))
+
+
+@dataclass
+class _InFlight:
+    """A pass queued on the GPU whose tokens the host has not read yet (static cache)."""
+    snapshot: list  # (row in the host buffers, sequence) for every token the pass makes
+    host_tok: object
+    host_lp: object
+    event: object | None  # recorded after the copies to the host; None without CUDA
+    n: int  # rows of the host buffers to read
+    kind: tuple  # the captured graph's key: passes of one kind take the same GPU time (launch_timing)
+    launched_s: float
+    started_s: float | None = None  # when the GPU started it, as far as the host can tell
+    started_exact: bool = False  # the pass before it ended while the host waited for it: started_s is exact
 
 
 def _deliver_all(items) -> None:
@@ -143,7 +158,9 @@ class HFEngine(HFTokenization, Engine):
         self._next = None  # dynamic cache: [B, 1] sampled tokens, not yet in the cache
         self._slots = None  # SlotDecoder when the static cache is on
         self._free: list[int] = []
-        self._inflight = None  # the launched, not yet read decode step (static, cuda)
+        self._inflight: _InFlight | None = None  # the launched, not yet read pass (static, cuda)
+        self._pass_timer = PassTimer()  # the GPU time of recent passes, for launch_lead_ms
+        self._gpu_free_s: float | None = None  # when the last pass read had ended, if the host saw it end
         self._chunked: _Seq | None = None  # static: the prompt being prefilled in chunks (mixed_chunk_tokens)
         self._outbox: list[tuple[_Seq, object]] = []
         self._thread: threading.Thread | None = None
@@ -257,8 +274,9 @@ class HFEngine(HFTokenization, Engine):
             import torch
 
             # two sets of pinned host buffers: one step's ids in flight while the previous one is read
-            self._host = [(torch.empty(opts.max_num_seqs, dtype=torch.long, pin_memory=True),
-                           torch.empty(opts.max_num_seqs, dtype=torch.float32, pin_memory=True),
+            # (one row more: the first token of the prompt a mixed pass finishes)
+            self._host = [(torch.empty(opts.max_num_seqs + 1, dtype=torch.long, pin_memory=True),
+                           torch.empty(opts.max_num_seqs + 1, dtype=torch.float32, pin_memory=True),
                            torch.cuda.Event()) for _ in range(2)]
             self._host_turn = 0
         log.info("static KV cache: %d slots x %d tokens, %.2f GB", opts.max_num_seqs, self._max_model_len,
@@ -431,6 +449,13 @@ class HFEngine(HFTokenization, Engine):
                         self._cv.wait()
                     if self._stopping:
                         break
+                    # launch_lead_ms: requests that arrive meanwhile still make the next pass
+                    wait_s = self._launch_wait_s()
+                    while wait_s > 0 and not self._stopping:
+                        self._cv.wait(wait_s)
+                        wait_s = self._launch_wait_s()
+                    if self._stopping:
+                        break
                     for seq in self._inbox:
                         seq.queued_pass = self._stats.forward_passes
                     self._waiting.extend(self._inbox)
@@ -446,6 +471,13 @@ class HFEngine(HFTokenization, Engine):
                 self._flush()
         self._fail_all(EngineNotReadyError("engine is shutting down"))
         self._flush()
+
+    def _launch_wait_s(self) -> float:
+        lead_ms = self.options.launch_lead_ms
+        p = self._inflight
+        if lead_ms is None or p is None or p.started_s is None:
+            return 0.0
+        return launch_wait_s(time.monotonic(), p.started_s, self._pass_timer.predicted_s(p.kind), lead_ms / 1000)
 
     def _flush(self) -> None:
         """One cross-thread wake-up per event loop per step, not one per token."""
@@ -537,11 +569,7 @@ class HFEngine(HFTokenization, Engine):
             self._prefill_static(new)
         busy = self._decoding()
         if busy and all(s.fast_sampling for s in busy):
-            launched = self._launch_fast(busy)
-            self._read_inflight()  # the previous step's tokens, read while this one runs
-            self._inflight = launched
-            if self._slots.device.type != "cuda":
-                self._read_inflight()
+            self._hand_over(self._launch_fast(busy))
             return
         self._read_inflight()
         busy = self._decoding()
@@ -626,7 +654,7 @@ class HFEngine(HFTokenization, Engine):
         if end == len(prompt):
             self._chunked = None
             seq.prefilling = False
-        self._after_mixed(busy, rows, step, prompt_logits, [seq] if end == len(prompt) else [])
+        self._after_mixed(key, busy, rows, step, prompt_logits, [seq] if end == len(prompt) else [])
 
     def _mixed_static(self, new: list[_Seq]) -> bool:
         """One new prompt and the running rows' decode step in one captured pass (SlotDecoder.mixed), if one
@@ -641,20 +669,27 @@ class HFEngine(HFTokenization, Engine):
             return False
         self._start_static(new)
         prompt_logits, step = self._slots.mixed(key, seq.req.prompt_token_ids, seq.slot, self._pad_id)
-        self._after_mixed(busy, rows, step, prompt_logits, new)
+        self._after_mixed(key, busy, rows, step, prompt_logits, new)
         return True
 
-    def _after_mixed(self, busy: list[_Seq], rows: int, step, prompt_logits, prompted: list[_Seq]) -> None:
-        """After a mixed pass is queued: its rows' tokens in flight while the previous step's are read, then
-        the first token of ``prompted`` (the sequence whose prompt the pass finished, if it did); this waits for
-        the pass, and its token then overwrites what the pass left in the (then free) slot's row."""
-        launched = self._after_launch(busy, rows, *(t[:rows] for t in step))
-        self._read_inflight()  # the previous step's tokens
-        self._inflight = launched
-        if prompted:
-            self._first_tokens(prompted, prompt_logits)
-        if self._slots.device.type != "cuda":
+    def _after_mixed(self, key, busy: list[_Seq], rows: int, step, prompt_logits, prompted: list[_Seq]) -> None:
+        """After a mixed pass (``key``) is queued: its rows' tokens in flight while the previous step's are
+        read, and the first token of ``prompted`` (the sequence whose prompt the pass finished, if it did), which
+        overwrites what the pass left in the (then free) slot's row: on the GPU with the rows' tokens, or, for
+        sampling that needs the host, read at once, which waits for the pass."""
+        # a prompt sampled on the GPU gets its first token with the rows': reading it now would make the host
+        # wait for this pass, the GPU idle until the next launch, and hold the previous step's tokens back
+        first = prompted[0] if prompted and prompted[0].fast_sampling else None
+        launched = self._after_launch(busy, rows, *(t[:rows] for t in step), kind=("mixed", key),
+                                      first=(first, prompt_logits) if first is not None else None)
+        if prompted and first is None:
             self._read_inflight()
+            self._inflight = launched
+            self._first_tokens(prompted, prompt_logits)
+            if self._slots.device.type != "cuda":
+                self._read_inflight()
+            return
+        self._hand_over(launched)
 
     def _prefill_static(self, new: list[_Seq]) -> None:
         self._start_static(new)
@@ -674,17 +709,34 @@ class HFEngine(HFTokenization, Engine):
     def _rows_and_span(self, busy: list[_Seq]) -> tuple[int, int]:
         return max(s.slot for s in busy) + 1, max(s.pos for s in busy) + 1
 
-    def _launch_fast(self, busy: list[_Seq]):
+    def _launch_fast(self, busy: list[_Seq]) -> _InFlight:
         """Queue one decode step and its sampling on the GPU; the next step's inputs are
         written on the device, so nothing waits for the host."""
+        from .slot_kv import bucket
+
         rows, span = self._rows_and_span(busy)
         self._stats.forward_passes += 1
+        kind = ("decode", bucket(rows, self._slots.batch_sizes), bucket(span, self._slots.spans))
         # greedy, inside the step
-        return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)))
+        return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)), kind=kind)
 
-    def _after_launch(self, busy: list[_Seq], rows: int, logits, chosen, lp):
-        """Sampling other than greedy for the rows of a step just queued, and the copy of its tokens to the
-        host; returns what _read_inflight reads once the step is done."""
+    def _hand_over(self, launched: _InFlight) -> None:
+        """The pass just launched becomes the one in flight once the previous one is read (its tokens handed
+        out while this one runs); without CUDA it is read at once."""
+        self._read_inflight()
+        # the GPU starts a pass when the one before it ends, or when it is launched onto an idle GPU
+        free = self._gpu_free_s
+        launched.started_s = max(launched.launched_s, free) if free is not None else launched.launched_s
+        launched.started_exact = free is not None and free >= launched.launched_s
+        self._inflight = launched
+        if self._slots.device.type != "cuda":
+            self._read_inflight()
+
+    def _after_launch(self, busy: list[_Seq], rows: int, logits, chosen, lp, kind: tuple = (),
+                      first: tuple | None = None) -> _InFlight:
+        """Sampling other than greedy for the rows of a step just queued, ``first``'s first token (the
+        sequence whose prompt the pass finished, and the prompt's logits) drawn on the GPU, and the copy of
+        the tokens to the host; returns what _read_inflight reads once the step is done."""
         import torch
 
         hot = [s for s in busy if s.req.sampling.temperature > 0]
@@ -708,27 +760,67 @@ class HFEngine(HFTokenization, Engine):
             self._slots.tokens[:rows].copy_(chosen)
         for s in busy:
             s.pos += 1
+        snapshot = [(s.slot, s) for s in busy]
+        n = rows
+        if first is not None:
+            seq, prompt_logits = first
+            first_tok, first_lp = self._first_token_on_device(seq, prompt_logits)
+            # its row in the host buffers: after the step's rows
+            snapshot.append((rows, seq))
+            n = rows + 1
         if self._slots.device.type == "cuda":
             host_tok, host_lp, event = self._host[self._host_turn]
             self._host_turn ^= 1
             host_tok[:rows].copy_(chosen, non_blocking=True)
             host_lp[:rows].copy_(lp, non_blocking=True)
+            if first is not None:
+                host_tok[rows:n].copy_(first_tok, non_blocking=True)
+                host_lp[rows:n].copy_(first_lp, non_blocking=True)
             event.record()
         else:
             host_tok, host_lp, event = chosen, lp, None
-        return [(s.slot, s) for s in busy], host_tok, host_lp, event, rows
+            if first is not None:
+                host_tok, host_lp = torch.cat([chosen, first_tok]), torch.cat([lp, first_lp])
+        return _InFlight(snapshot, host_tok, host_lp, event, n, kind, time.monotonic())
+
+    def _first_token_on_device(self, seq: _Seq, logits):
+        """The first token of ``seq`` (greedy or plain temperature) from its prompt's last logits [1, V],
+        drawn on the GPU and made its row's next input, as _first_tokens does on the host; returns (token [1],
+        logprob [1]) on the device."""
+        import torch
+
+        logits = logits.float()
+        lse = torch.logsumexp(logits, dim=-1)
+        temperature = seq.req.sampling.temperature
+        if temperature > 0:  # Gumbel-max, as for the decode rows
+            gumbel = -torch.empty_like(logits).exponential_().log()
+            chosen = (logits / temperature + gumbel).argmax(dim=-1)
+        else:
+            chosen = logits.argmax(dim=-1)
+        lp = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
+        # integer indexing and fill_ run on the device: an index tensor from pageable memory would wait
+        self._slots.tokens[seq.slot: seq.slot + 1].copy_(chosen)
+        self._slots.positions[seq.slot] = seq.pos
+        self._slots.active[seq.slot] = 1
+        return chosen, lp
 
     def _read_inflight(self) -> None:
-        if self._inflight is None:
+        p = self._inflight
+        if p is None:
             return
-        snapshot, host_tok, host_lp, event, rows = self._inflight
         self._inflight = None
-        if event is not None:
-            event.synchronize()
-        toks, lps = host_tok[:rows].tolist(), host_lp[:rows].tolist()
-        for slot, seq in snapshot:
+        if p.event is not None:
+            ended_before = p.event.query()
+            p.event.synchronize()
+            now = time.monotonic()
+            # seen to end only if the host was waiting for it; otherwise it ended at some unknown time
+            self._gpu_free_s = None if ended_before else now
+            if not ended_before and p.started_exact:
+                self._pass_timer.observe(p.kind, now - p.started_s)
+        toks, lps = p.host_tok[:p.n].tolist(), p.host_lp[:p.n].tolist()
+        for row, seq in p.snapshot:
             if not seq.finished:  # finished a step earlier, or aborted: its extra token is dropped
-                self._on_token(seq, toks[slot], lps[slot], None)
+                self._on_token(seq, toks[row], lps[row], None)
         self._drop_finished()
 
     def _decode_static_sync(self, busy: list[_Seq]) -> None:
@@ -748,14 +840,15 @@ class HFEngine(HFTokenization, Engine):
     def _release(self, seqs: list[_Seq]) -> None:
         import heapq
 
-        import torch
-
         freed = [s.slot for s in seqs if s.slot >= 0]
         if not freed:
             return
-        idx = torch.tensor(freed, dtype=torch.long).to(self.device)
-        self._slots.active.index_fill_(0, idx, 0)
-        self._slots.positions.index_fill_(0, idx, 0)
+        # slot by slot, on the device: an index tensor copied from pageable memory makes the host wait for the
+        # pass in flight, so a step that finishes a sequence would leave the GPU idle until the next launch
+        # and hold the step's tokens (that sequence's end among them) back by a pass
+        for slot in freed:
+            self._slots.active[slot] = 0
+            self._slots.positions[slot] = 0
         for s in seqs:
             if s.slot >= 0:
                 heapq.heappush(self._free, s.slot)

@@ -145,6 +145,14 @@ class HFEngineOptions(StrictModel):
         "p50 32 against 49 ms but p95 221 against 92; at 32 concurrent p95 48 against 88 (docs/gpu_notes.md "
         "runs 67-69); so off unless long prompts stall the streams.",
     )
+    launch_lead_ms: float | None = Field(
+        None, ge=0.0, le=1000.0,
+        description="CUDA-graph decode: launch the next pass this many ms before the pass the GPU runs is "
+        "predicted to end (from the same kind of pass measured earlier), instead of right after the step "
+        "before it is handed out, so a request that answers that step still makes the next pass; null, "
+        "the default: launch at once. Too small a lead leaves the GPU idle between passes "
+        "(serve_app/engines/launch_timing.py).",
+    )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
         description="tensor_parallel_size > 1: a step that some rank has not finished in this time "

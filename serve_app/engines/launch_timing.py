@@ -1,0 +1,57 @@
+"""When the hf engine launches its next pass: at once, or just before the pass in flight ends.
+
+Why: the engine thread keeps one pass queued behind the one the GPU runs,
+and picks the next pass's prompts when it launches it, right after handing
+out the previous step's tokens. A stream's next request answers those
+tokens; when it has to cross a process (the engine's own, a GPU replica's
+default), it arrives after that choice and waits a whole pass more. On an
+H200 (7B, 64 x 10) only 2 % of such requests met the pass after their
+arrival, against 36 % with the load in the engine's own process, and the
+queue's median went from 5.6 to 15 ms (docs/gpu_notes.md runs 79-81).
+Launching ``lead_s`` before the pass in flight is due to end leaves the
+request that much more time, and the GPU no gap as long as the launch
+comes before the end.
+
+A pass's end is predicted from the same kind of pass measured before: the
+engine's passes are captured CUDA graphs of a few shapes, whose GPU time
+hardly varies. Only exact measurements count (the host waited for the pass
+from the moment the GPU started it, so both ends are known), and the
+prediction is the shortest recent one: an early launch costs only part of
+the gain, a late one a gap on the GPU. A kind of pass never measured
+launches at once, as without a lead. Pure, with the clock passed in, so it
+is tested without an engine.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Hashable
+
+
+class PassTimer:
+    """The GPU time of recent passes, by kind (a captured graph's key)."""
+
+    def __init__(self, keep: int = 8):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self._keep = keep
+        self._seen: dict[Hashable, collections.deque] = {}
+
+    def observe(self, kind: Hashable, duration_s: float) -> None:
+        if duration_s <= 0:  # a clock that did not move says nothing
+            return
+        self._seen.setdefault(kind, collections.deque(maxlen=self._keep)).append(duration_s)
+
+    def predicted_s(self, kind: Hashable) -> float | None:
+        """The shortest of the recent passes of ``kind``; None if none was measured."""
+        seen = self._seen.get(kind)
+        return min(seen) if seen else None
+
+
+def launch_wait_s(now_s: float, started_s: float, predicted_s: float | None, lead_s: float | None) -> float:
+    """How long to wait before launching the next pass, given the pass in flight started on the GPU at
+    ``started_s`` and is predicted to take ``predicted_s``: until ``lead_s`` before its end, and 0 without a
+    lead, without a prediction, or when that moment has passed."""
+    if lead_s is None or predicted_s is None:
+        return 0.0
+    return max(0.0, started_s + predicted_s - lead_s - now_s)

@@ -1,0 +1,42 @@
+"""The engine's launch timing (launch_lead_ms): a pure rule with the clock passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.engines.launch_timing import PassTimer, launch_wait_s
+
+
+def test_a_kind_never_measured_has_no_prediction_and_launches_at_once():
+    timer = PassTimer()
+    assert timer.predicted_s(("decode", 64, 768)) is None
+    assert launch_wait_s(now_s=10.0, started_s=10.0, predicted_s=timer.predicted_s(("decode", 64, 768)),
+                         lead_s=0.002) == 0.0
+
+
+def test_the_prediction_is_the_shortest_recent_pass_of_its_kind_alone():
+    timer = PassTimer(keep=3)
+    for d in (0.0060, 0.0058, 0.0065):
+        timer.observe(("decode", 64, 768), d)
+    timer.observe(("mixed", (512, 64, 768, False)), 0.0165)
+    assert timer.predicted_s(("decode", 64, 768)) == 0.0058
+    assert timer.predicted_s(("mixed", (512, 64, 768, False))) == 0.0165
+    # the shortest falls out of the window once `keep` newer ones came
+    for d in (0.0061, 0.0062, 0.0063):
+        timer.observe(("decode", 64, 768), d)
+    assert timer.predicted_s(("decode", 64, 768)) == 0.0061
+    timer.observe(("decode", 64, 768), 0.0)  # a clock that did not move is no measurement
+    assert timer.predicted_s(("decode", 64, 768)) == 0.0061
+    with pytest.raises(ValueError, match="keep"):
+        PassTimer(keep=0)
+
+
+def test_the_launch_waits_until_the_lead_before_the_predicted_end():
+    # a 16.5 ms pass that started at t=100 s: with a 2 ms lead, launch at 100.0145
+    assert launch_wait_s(now_s=100.001, started_s=100.0, predicted_s=0.0165, lead_s=0.002) == pytest.approx(0.0135)
+    assert launch_wait_s(now_s=100.0145, started_s=100.0, predicted_s=0.0165, lead_s=0.002) == pytest.approx(0.0)
+    # past that moment (or a lead longer than the pass): at once, never a negative wait
+    assert launch_wait_s(now_s=100.016, started_s=100.0, predicted_s=0.0165, lead_s=0.002) == 0.0
+    assert launch_wait_s(now_s=100.0, started_s=100.0, predicted_s=0.005, lead_s=0.010) == 0.0
+    # no lead: the engine launches as soon as the step before is handed out
+    assert launch_wait_s(now_s=100.001, started_s=100.0, predicted_s=0.0165, lead_s=None) == 0.0
