@@ -214,20 +214,25 @@ async def run(args) -> dict:
         save()
     # the same loads under other options, changed on the live engine (no second compile): an engine
     # option, or with "slots." one of the decoder's switches (e.g. slots.prefill_compiled=false)
+    def apply(change: dict) -> None:
+        if args.engine_process == "separate":  # options only (main refuses slots. keys): the child's copy too
+            engine.update_options(change)
+            return
+        for key, value in change.items():
+            setattr(*targets[key], value)
+
     for k, change in enumerate(args.compare):
         targets = {key: (slots, key[6:]) if key.startswith("slots.") else (engine.options, key) for key in change}
         base = {key: getattr(obj, name) for key, (obj, name) in targets.items()}
         t_switch = time.perf_counter()
-        for key, value in change.items():
-            setattr(*targets[key], value)
+        apply(change)
         # e.g. slots.span_step captures the graphs its buckets lack: what that costs on a live engine
         results.setdefault("compare_switch_s", {})[compare_tag(change)] = round(time.perf_counter() - t_switch, 2)
         for conc in (32, 64):
             await load(f"concurrency_{conc}_{compare_tag(change)}", conc, f"p{k}-{conc}")
         if args.steady_rounds:
             await load(f"concurrency_64_steady_{compare_tag(change)}", 64, f"ps{k}", args.steady_rounds)
-        for key, value in base.items():
-            setattr(*targets[key], value)
+        apply(base)
     if slots is not None and slots.use_graphs and not args.skip_probes:
         results["graph_replay_ms"] = graph_replay_ms(slots)
         results["graph_replay_ms_by_span"] = graph_replay_ms_by_span(slots)
@@ -559,8 +564,8 @@ def main() -> None:
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"])
     p.add_argument("--engine-process", default="inline", choices=["inline", "separate"],
-                   help="'separate': the engine in a child process, as a GPU replica runs it (no --compare: "
-                        "its options live in the child)")
+                   help="'separate': the engine in a child process, as a GPU replica runs it (--compare of "
+                        "engine options only: the decoder's slots. switches live in the child)")
     p.add_argument("--model", default=None, help="a model instead of the random 7B (the script's check on the CPU)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--compare", action="append", type=_options, metavar="KEY=JSON[,KEY=JSON]",
@@ -586,8 +591,8 @@ def main() -> None:
     # gpu_stack.py's cache (same --work): its deploy right after this run, on the same machine, then
     # loads the compiled passes instead of compiling them again (~100 s of its warm-up)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.work) / "inductor"))
-    if args.engine_process == "separate" and args.compare:
-        p.error("--compare changes options on the live engine, which a separate process keeps to itself")
+    if args.engine_process == "separate" and any(k.startswith("slots.") for c in args.compare or [] for k in c):
+        p.error("--compare with slots.: the decoder's switches live in the separate process, out of reach")
     if args.model is None and args.device == "cpu":
         p.error("--device cpu needs --model (the random 7B is built on the GPU)")
     if args.tokenizer is None and args.model is None:

@@ -13,7 +13,13 @@ import pytest_asyncio
 from serve_app.config import parse_config
 from serve_app.engines.base import GenerationRequest, SamplingParams
 from serve_app.engines.registry import create_engine, get_engine_class
-from serve_app.errors import ContextLengthExceededError, EngineError, EngineNotReadyError, OverloadedError
+from serve_app.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    EngineNotReadyError,
+    InvalidRequestError,
+    OverloadedError,
+)
 from tests.conftest import deploy_app, null_config, smol_config, wait_for
 
 QUESTION = "What is the capital of France? Answer in one word."
@@ -137,6 +143,14 @@ async def test_a_backend_without_submit_streams_through_the_child_by_generator()
         assert "".join(c.text for c in chunks) == "xxxxx" and chunks[-1].finish_reason == "length"
         with pytest.raises(ContextLengthExceededError):
             await run(null, "too-long", [1] * 10_000, max_tokens=5)
+        # an option the backend reads while it runs, changed in the child (a benchmark's compare); a bad one is
+        # refused before anything changes, here or there
+        null.update_options({"token_text": "y"})
+        assert "".join(c.text for c in await run(null, "n2", [1, 2, 3], max_tokens=5)) == "yyyyy"
+        with pytest.raises(InvalidRequestError, match="tokens_per_s"):
+            null.update_options({"token_text": "z", "tokens_per_s": -1})
+        assert null.options.token_text == "y"
+        assert "".join(c.text for c in await run(null, "n3", [1, 2, 3], max_tokens=5)) == "yyyyy"
     finally:
         await null.shutdown()
 

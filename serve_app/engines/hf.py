@@ -566,6 +566,10 @@ class HFEngine(HFTokenization, Engine):
         if new and self._mixed_static(new):
             return
         if new:
+            # this pass makes the host wait (its first tokens are read at once): the pass in flight is handed
+            # out first, or its tokens, a mixed pass's first token among them, would wait for this one too
+            self._read_inflight()
+            self._flush()
             self._prefill_static(new)
         busy = self._decoding()
         if busy and all(s.fast_sampling for s in busy):
