@@ -483,19 +483,20 @@ def queue_summary(queue_s: list[float]) -> dict | None:
 
 
 def print_queue_report(files: list[str]) -> None:
-    """Each raw file's loads: TTFT p50, the engine's queue (:func:`queue_summary`) and the median of the rest of
+    """Each raw file's loads (those under --compare changes too): TTFT p50, the engine's queue (:func:`queue_summary`) and the median of the rest of
     the first token after admission, from the per-request records (also of files written before the run
     recorded its queue summary)."""
-    print(f"{'file / load':<44}{'TTFT p50':>9}{'queue p50':>10}{'p95':>7}{'<2 ms':>7}{'after p50':>10}  (ms)")
+    print(f"{'file / load':<50}{'TTFT p50':>9}{'queue p50':>10}{'p95':>7}{'<2 ms':>7}{'after p50':>10}  (ms)")
     for f in files:
         res = json.loads(Path(f).read_text())
         print(f"{Path(f).name} (engine {res.get('engine_process', 'inline')})")
-        for key in ("concurrency_32", "concurrency_64", "concurrency_64_steady"):
-            rows = [r for r in res.get(key, {}).get("per_request", []) if r[2] is not None]
+        # the default loads, then those under each --compare change (their keys end in its tag)
+        for key in [k for k in res if k.startswith("concurrency_") and isinstance(res[k], dict)]:
+            rows = [r for r in res[key].get("per_request", []) if r[2] is not None]
             if not rows:
                 continue
             q = queue_summary([r[2] / 1000 for r in rows])
-            print(f"{'  ' + key:<44}{percentile([r[1] for r in rows], 50):>9.1f}{q['p50_ms']:>10.1f}{q['p95_ms']:>7.1f}"
+            print(f"{'  ' + key:<50}{percentile([r[1] for r in rows], 50):>9.1f}{q['p50_ms']:>10.1f}{q['p95_ms']:>7.1f}"
                   f"{100 * q['under_2ms_share']:>6.0f}%{percentile([r[1] - r[2] for r in rows], 50):>10.1f}")
 
 

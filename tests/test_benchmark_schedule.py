@@ -191,10 +191,14 @@ def test_the_queue_report_reads_the_engine_queue_from_per_request_records(monkey
 
     monkeypatch.setattr(sys, "argv", ["gpu_engine.py", "--queue-report",
                                       str(RESULTS / "gpu_engine-h200-2026-12-04-075255b-AA-mixed512-inline-cold-probe.json"),
-                                      str(RESULTS / "gpu_engine-h200-2026-12-04-075255b-AA-mixed512-separate-warm.json")])
+                                      str(RESULTS / "gpu_engine-h200-2026-12-04-075255b-AA-mixed512-separate-warm.json"),
+                                      str(RESULTS / "gpu_engine-h200-2026-12-04-e1273e8-AC-mixed512-separate-cold-lead2compare.json")])
     gpu_engine.main()
-    inline, separate = capsys.readouterr().out.split("(engine ")[1:]
-    assert inline.startswith("inline)") and separate.startswith("separate)")
+    inline, separate, lead = capsys.readouterr().out.split("(engine ")[1:]
+    assert inline.startswith("inline)") and separate.startswith("separate)") and lead.startswith("separate)")
     # TTFT p50, queue p50 / p95, share within 2 ms, the rest after admission: the engine inline, then in its child
-    assert "concurrency_64_steady                          44.0       5.6   53.1    36%      34.3" in inline
-    assert "concurrency_64_steady                          58.8      15.2   51.3     2%      41.0" in separate
+    assert "concurrency_64_steady                                44.0       5.6   53.1    36%      34.3" in inline
+    assert "concurrency_64_steady                                58.8      15.2   51.3     2%      41.0" in separate
+    # the loads under a --compare change follow the defaults' (the eighteenth session's launch lead)
+    assert "concurrency_64_steady                                61.3      30.2  106.3     2%      38.4" in lead
+    assert "concurrency_64_steady_launch_lead_ms=2               52.0      15.4  103.2     2%      37.2" in lead
