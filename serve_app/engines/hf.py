@@ -736,11 +736,11 @@ class HFEngine(HFTokenization, Engine):
         if self._slots.device.type != "cuda":
             self._read_inflight()
 
-    def _after_launch(self, busy: list[_Seq], rows: int, logits, chosen, lp, kind: tuple = (),
+    def _after_launch(self, busy: list[_Seq], rows: int, logits, chosen, lp, *, kind: tuple,
                       first: tuple | None = None) -> _InFlight:
-        """Sampling other than greedy for the rows of a step just queued, ``first``'s first token (the
-        sequence whose prompt the pass finished, and the prompt's logits) drawn on the GPU, and the copy of
-        the tokens to the host; returns what _read_inflight reads once the step is done."""
+        """Sampling other than greedy for the rows of a step just queued (a pass of ``kind``), ``first``'s
+        first token (the sequence whose prompt the pass finished, and the prompt's logits) drawn on the GPU,
+        and the copy of the tokens to the host; returns what _read_inflight reads once the step is done."""
         import torch
 
         hot = [s for s in busy if s.req.sampling.temperature > 0]
