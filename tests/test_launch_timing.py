@@ -40,3 +40,30 @@ def test_the_launch_waits_until_the_lead_before_the_predicted_end():
     assert launch_wait_s(now_s=100.0, started_s=100.0, predicted_s=0.005, lead_s=0.010) == 0.0
     # no lead: the engine launches as soon as the step before is handed out
     assert launch_wait_s(now_s=100.001, started_s=100.0, predicted_s=0.0165, lead_s=None) == 0.0
+
+
+def test_the_engine_waits_for_the_lead_before_the_pass_in_flight_ends():
+    # the engine's glue (HFEngine._launch_wait_s): its option in ms, the pass in flight's start and kind, and
+    # the timer's prediction; no model is loaded (the wait only arises on a GPU, where passes stay in flight)
+    import time
+
+    from serve_app.engines.hf import HFEngine, _InFlight
+    from serve_app.engines.options import HFEngineOptions
+
+    eng = HFEngine(HFEngineOptions(model="/unused"))
+    assert eng.options.launch_lead_ms == 2.0  # the default since the H200 runs (docs/gpu_notes.md 82-85)
+    assert eng._launch_wait_s() == 0.0  # nothing in flight
+    kind = ("mixed", (512, 64, 768, False))
+    # a pass that starts 1 s from now, so the checks do not hang on how fast this box runs them
+    start = time.monotonic() + 1.0
+    eng._inflight = _InFlight([], None, None, None, 0, kind, launched_s=start, started_s=start)
+    assert eng._launch_wait_s() == 0.0  # a kind never measured launches at once
+    eng._pass_timer.observe(kind, 0.0165)
+    assert 1.0 < eng._launch_wait_s() <= 1.0145
+    eng.options.launch_lead_ms = 10.0
+    assert 1.0 < eng._launch_wait_s() <= 1.0065
+    eng.options.launch_lead_ms = None
+    assert eng._launch_wait_s() == 0.0
+    eng.options.launch_lead_ms = 2.0
+    eng._inflight.started_s = None  # a mixed pass whose first token was read at once: nothing to wait for
+    assert eng._launch_wait_s() == 0.0
