@@ -111,6 +111,23 @@ def test_the_stack_report_names_where_the_replica_ran_our_code_and_the_clients_l
     assert "our code on Serve user-code thread" in old and "the client's own loop" not in old
 
 
+
+def test_the_stack_report_pairs_the_launch_lead_runs_with_the_engine_under_its_compare(monkeypatch, capsys):
+    # the eighteenth session's table (docs/benchmarks.md, runs 83-85): both stack runs against AC's engine in its
+    # own process, once as started (no lead) and once under its launch_lead_ms=2 compare
+    engine = "gpu_engine-h200-2026-12-04-e1273e8-AC-mixed512-separate-cold-lead2compare.json"
+    stacks = ("gpu_stack-h200-2026-12-04-e1273e8-AC-haproxy-direct-shared-mixed512-nolead-warm.json",
+              "gpu_stack-h200-2026-12-04-e1273e8-AC-haproxy-direct-shared-mixed512-lead2-warm.json")
+    nolead, lead = stack_report(monkeypatch, capsys, engine, *stacks).split("\nfull stack")[1:]
+    assert "TTFT p50 at 32 (ms)                     38.3      32.5  +5.8 ms" in nolead
+    assert "TTFT p50 at 64, 10/stream (ms)          65.9      61.3  +4.6 ms" in lead
+    nolead, lead = stack_report(monkeypatch, capsys, engine, *stacks,
+                                extra=("--engine-compare", "launch_lead_ms=2")).split("\nfull stack")[1:]
+    # the engine column is now its loads with the lead: 22.3 ms at 32, 52.0 and 5,099 tok/s at 64 x 10
+    assert "TTFT p50 at 32 (ms)                     34.3      22.3  +11.9 ms" in lead
+    assert "TTFT p50 at 64, 10/stream (ms)          65.9      52.0  +13.9 ms" in lead
+    assert "output tok/s at 64, 10/stream           4971      5099  97 % of engine" in nolead
+
 def test_the_client_lag_counts_a_blocked_loop():
     import asyncio
     import time
