@@ -214,7 +214,7 @@ async def run(args) -> dict:
         save()
     # the same loads under other options, changed on the live engine (no second compile): an engine
     # option, or with "slots." one of the decoder's switches (e.g. slots.prefill_compiled=false)
-    def apply(change: dict) -> None:
+    def apply(change: dict, targets: dict) -> None:
         if args.engine_process == "separate":  # options only (main refuses slots. keys): the child's copy too
             engine.update_options(change)
             return
@@ -225,14 +225,14 @@ async def run(args) -> dict:
         targets = {key: (slots, key[6:]) if key.startswith("slots.") else (engine.options, key) for key in change}
         base = {key: getattr(obj, name) for key, (obj, name) in targets.items()}
         t_switch = time.perf_counter()
-        apply(change)
+        apply(change, targets)
         # e.g. slots.span_step captures the graphs its buckets lack: what that costs on a live engine
         results.setdefault("compare_switch_s", {})[compare_tag(change)] = round(time.perf_counter() - t_switch, 2)
         for conc in (32, 64):
             await load(f"concurrency_{conc}_{compare_tag(change)}", conc, f"p{k}-{conc}")
         if args.steady_rounds:
             await load(f"concurrency_64_steady_{compare_tag(change)}", 64, f"ps{k}", args.steady_rounds)
-        apply(base)
+        apply(base, targets)
     if slots is not None and slots.use_graphs and not args.skip_probes:
         results["graph_replay_ms"] = graph_replay_ms(slots)
         results["graph_replay_ms_by_span"] = graph_replay_ms_by_span(slots)
@@ -483,9 +483,9 @@ def queue_summary(queue_s: list[float]) -> dict | None:
 
 
 def print_queue_report(files: list[str]) -> None:
-    """Each raw file's loads (those under --compare changes too): TTFT p50, the engine's queue (:func:`queue_summary`) and the median of the rest of
-    the first token after admission, from the per-request records (also of files written before the run
-    recorded its queue summary)."""
+    """Each raw file's loads (those under --compare changes too): TTFT p50, the engine's queue
+    (:func:`queue_summary`) and the median of the rest of the first token after admission, from the
+    per-request records (also of files written before the run recorded its queue summary)."""
     print(f"{'file / load':<50}{'TTFT p50':>9}{'queue p50':>10}{'p95':>7}{'<2 ms':>7}{'after p50':>10}  (ms)")
     for f in files:
         res = json.loads(Path(f).read_text())
