@@ -716,13 +716,11 @@ class HFEngine(HFTokenization, Engine):
     def _launch_fast(self, busy: list[_Seq]) -> _InFlight:
         """Queue one decode step and its sampling on the GPU; the next step's inputs are
         written on the device, so nothing waits for the host."""
-        from .slot_kv import bucket
-
         rows, span = self._rows_and_span(busy)
         self._stats.forward_passes += 1
-        kind = ("decode", bucket(rows, self._slots.batch_sizes), bucket(span, self._slots.spans))
         # greedy, inside the step
-        return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)), kind=kind)
+        return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)),
+                                  kind=("decode", self._slots.decode_key(rows, span)))
 
     def _hand_over(self, launched: _InFlight) -> None:
         """The pass just launched becomes the one in flight once the previous one is read (its tokens handed

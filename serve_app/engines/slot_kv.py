@@ -719,14 +719,17 @@ class SlotDecoder:
         self.positions[:rows].add_(self.active[:rows])
         return chosen, logprob
 
+    def decode_key(self, busy_rows: int, longest: int) -> tuple[int, int]:
+        """The (rows, span) bucket whose captured step :meth:`decode` runs for these rows."""
+        return bucket(busy_rows, self.batch_sizes), bucket(longest, self.spans)
+
     def decode(self, busy_rows: int, longest: int):
         """One step for rows 0..busy_rows-1 whose longest sequence (after this step) is `longest`.
         Returns (logits, greedy tokens, their logprobs) for a bucket of rows >= busy_rows; the greedy
         tokens are already the next step's input and the positions already moved on."""
         if not self.use_graphs:
             return self._step(busy_rows, longest)
-        key = (bucket(busy_rows, self.batch_sizes), bucket(longest, self.spans))
-        graph, out = self.graphs[key]
+        graph, out = self.graphs[self.decode_key(busy_rows, longest)]
         graph.replay()
         return out
 
