@@ -196,8 +196,8 @@ async def run(args) -> dict:
         after = engine.stats()
         # prefill_graph_passes: one-prompt passes replayed; prefill_eager_passes: shapes not compiled;
         # mixed_passes: one prompt and a decode step in one captured pass
-        for counter in ("forward_passes", "prefill_passes", "prefill_eager_passes", "prefill_graph_passes",
-                        "mixed_passes"):
+        # gpu_gap*: the GPU between consecutive pipelined passes (what a launch lead too short would cost)
+        for counter in ENGINE_COUNTERS:
             results[key][counter] = getattr(after, counter) - getattr(before, counter)
         results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
         save()
@@ -542,6 +542,20 @@ def _option(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(f"{key}: {value!r} is not JSON") from e
 
 
+#: the engine's counters each load records as their change over it (gpu_engine.py and gpu_stack.py)
+ENGINE_COUNTERS = ("forward_passes", "prefill_passes", "prefill_eager_passes", "prefill_graph_passes", "mixed_passes",
+                   "gpu_gaps_measured", "gpu_gap_total_ms", "gpu_gaps_late")
+
+
+def gap_line(r: dict) -> str | None:
+    """One load's GPU time between pipelined passes, for the tables; None where the run did not measure it
+    (files before 2026-12-04's nineteenth session, the CPU)."""
+    if not r.get("gpu_gaps_measured"):
+        return None
+    return (f"{r['gpu_gap_total_ms']:.1f} ms over {r['gpu_gaps_measured']} gaps "
+            f"({r['gpu_gap_total_ms'] / r['gpu_gaps_measured'] * 1000:.0f} us each), {r['gpu_gaps_late']} over 0.1 ms")
+
+
 def compare_tag(change: dict) -> str:
     return ",".join(f"{k}={json.dumps(v)}" for k, v in change.items())
 
@@ -638,6 +652,8 @@ def main() -> None:
             w = r["full_window"]
             print(f"{'    while all 64 were in flight':<34}{w['output_tok_s']:>12.0f}  ({w['start_s']:.1f}-{w['end_s']:.1f} s)")
         print(f"{'    TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.1f}{r['ttft_p50_ms']:>8.1f}")
+        if gap_line(r):
+            print(f"{'    GPU between passes':<34}  {gap_line(r)}")
 
     if "concurrency_64_steady" in res:
         print_steady(f"  {args.steady_rounds} requests per stream", res["concurrency_64_steady"])
@@ -656,6 +672,9 @@ def main() -> None:
     print(f"{'single-stream TTFT / first text':<34}{s['ttft_ms']:>12.1f}{s['ttft_text_ms']:>8.1f}")
     for key, label in (("concurrency_32", "32"), ("concurrency_64", "64"), ("concurrency_64_steady", "64 steady")):
         print_queue(f"engine queue at {label}: p50 / p95 ms", res.get(key, {}))
+    for key, label in (("concurrency_32", "32"), ("concurrency_64", "64")):
+        if gap_line(res.get(key, {})):
+            print(f"{f'GPU between passes at {label}':<34}  {gap_line(res[key])}")
     for change in args.compare:
         print(f"with {compare_tag(change)}:")
         for conc in (32, 64):
@@ -665,6 +684,8 @@ def main() -> None:
             print(f"{f'  forward / prefill / replayed / mixed':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}"
                   f"{r.get('prefill_graph_passes', 0):>8d}{r.get('mixed_passes', 0):>8d}")
             print_queue("  engine queue: p50 / p95 ms", r)
+            if gap_line(r):
+                print(f"{'  GPU between passes':<34}  {gap_line(r)}")
         if f"concurrency_64_steady_{compare_tag(change)}" in res:
             r = res[f"concurrency_64_steady_{compare_tag(change)}"]
             print_steady(f"  64, {args.steady_rounds} per stream: tok/s", r)

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import (  # noqa: E402
-    WARM_PROMPT_SEED, _option, bench_options, concurrent_load, prompt_draw)
+    ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, _options, bench_options, compare_tag, concurrent_load, gap_line,
+    prompt_draw)
 from benchmarks.loadgen import (  # noqa: E402
     add_engine_process_arg,
     add_http_proxy_arg,
@@ -62,18 +63,24 @@ async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: 
     return {"ttft_s": first, "ttft_text_s": first, "e2e_s": time.perf_counter() - t0, "tokens": tokens}
 
 
+def replica_handle():
+    """A Serve handle to the one LLMServer replica (with direct streaming, the deployment hosting it)."""
+    from ray import serve
+
+    from serve_app.app import APP_NAME, llm_deployment_name
+
+    return serve.get_deployment_handle(llm_deployment_name("bench", "stable"), APP_NAME)
+
+
 async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) -> float:
     """Median time to the first delta when the driver calls the LLMServer replica through a Serve
     handle (one Ray hop, no HTTP proxy, no ingress): splits the stack's first-token overhead
     into replica + engine vs proxy + ingress."""
     import statistics
 
-    from ray import serve
-
-    from serve_app.app import APP_NAME, llm_deployment_name
     from serve_app.internal import Delta, InferenceRequest
 
-    h = serve.get_deployment_handle(llm_deployment_name("bench", "stable"), APP_NAME)
+    h = replica_handle()
     xs = []
     for i in range(n + 1):
         t0 = time.perf_counter()
@@ -120,8 +127,16 @@ class ClientLag:
         }
 
 
-async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> dict:
-    """The loads through the HTTP API; ``checkpoint`` gets what is measured so far after each one."""
+async def engine_counters(h) -> dict:
+    """The replica engine's counters now (ENGINE_COUNTERS), through a Serve handle."""
+    s = await h.stats.remote()
+    return {c: s.get(c) or 0 for c in ENGINE_COUNTERS}
+
+
+async def drive(base: str, model: str, args, checkpoint=lambda part: None, started_options: dict | None = None) -> dict:
+    """The loads through the HTTP API, then again under each of ``args.compare``'s option changes, made on the
+    live replica and undone after (back to ``started_options``, the values it started with); ``checkpoint``
+    gets what is measured so far after each load."""
     import httpx
 
     prompt, rng = prompt_draw(args.prompt)
@@ -138,14 +153,30 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None) -> di
         if args.warm_rounds:
             await concurrent_load(lambda i, p: http_one(client, url, model, p, args.output), 64,
                                   *prompt_draw(args.prompt, WARM_PROMPT_SEED), args.warm_rounds)
-        for key, conc, rounds, _ in loads(args):
+        h = replica_handle()
+
+        async def load(key: str, conc: int, rounds: int) -> None:
+            before = await engine_counters(h)
             t0_ns = time.time_ns()
             with ClientLag() as lag:
                 out[key] = await concurrent_load(
                     lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds)
             out[key]["window_ns"] = [t0_ns, time.time_ns()]
             out[key]["client"] = lag.summary
+            await asyncio.sleep(0.2)  # an engine in its own process sends its counters with its outputs, <= 50 ms
+            after = await engine_counters(h)
+            out[key].update({c: after[c] - before[c] for c in ENGINE_COUNTERS})
             checkpoint(out)
+
+        for key, conc, rounds, _ in loads(args):
+            await load(key, conc, rounds)
+        for change in args.compare:
+            tag = compare_tag(change)
+            out.setdefault("compare_tags", []).append(tag)
+            out.setdefault("compare_applied", {})[tag] = await h.update_engine_options.remote(change)
+            for key, conc, rounds, _ in loads(args):
+                await load(f"{key}_{tag}", conc, rounds)
+            await h.update_engine_options.remote({k: (started_options or {})[k] for k in change})
     return out
 
 
@@ -254,7 +285,10 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
         partial.write_text(json.dumps({**res, **part, "partial": True}, indent=2))
 
     checkpoint({})
-    res.update(asyncio.run(drive(base, "bench", args, checkpoint)))
+    from serve_app.engines.registry import options_model_for
+
+    started = options_model_for("hf").model_validate(opts).model_dump()  # what a compare's change is undone to
+    res.update(asyncio.run(drive(base, "bench", args, checkpoint, started)))
     stats = httpx.get(f"{base}/admin/engine-stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
                       timeout=60).json()["bench/stable"]
     res["engine_forward_passes"] = stats.get("forward_passes")
@@ -278,19 +312,14 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     return res
 
 
-def print_report(res: dict, alone: dict | None, args) -> None:
-    front = ("no Ingress: the LLMServer replica serves HTTP (direct streaming)" if res.get("ingress") == "direct"
-             else f"{res['ingress_replicas']} ingress replicas")
-    loop = res.get("user_code_loop", "separate")  # files before 2026-12-04's sixteenth session: Serve's default
-    print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, engine "
-          f"{'in its own process' if res['engine_process_resolved'] == 'separate' else 'in the replica process'}, streaming; "
-          f"{front}, stream_interval_ms {args.stream_interval_ms:g}, our code on "
-          f"{'the replica main loop' if loop == 'shared' else 'Serve user-code thread'}); "
-          f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
-    if (alone or {}).get("engine_process") == "separate":
-        print("engine column: the engine alone in a process of its own, driven from the benchmark's (gpu_engine.py "
-              "--engine-process separate)")
-    print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
+def with_compare(res: dict, tag: str) -> dict:
+    """``res`` with the loads run under the compare ``tag`` in the default loads' places."""
+    suffix = f"_{tag}"
+    return {**res, **{k[: -len(suffix)]: v for k, v in res.items() if k.endswith(suffix)}}
+
+
+def print_loads(res: dict, alone: dict | None, args) -> None:
+    """The rows of each load: the stack's figures against the engine alone's."""
     for key, _, _, at in loads(args):
         c = res[key]
         a = (alone or {}).get(key, {})
@@ -324,6 +353,31 @@ def print_report(res: dict, alone: dict | None, args) -> None:
             print(f"  first token's legs, p50 / p95 ms ({legs['requests']} traced requests):")
             for leg in ("to_replica", "engine_queue", "engine_prefill", "back_to_ingress", "at_ingress"):
                 print(f"    {leg:<30}{legs[f'{leg}_p50_ms']:>10.1f}{legs[f'{leg}_p95_ms']:>10.1f}")
+        for who, r in (("stack", c), ("engine", a)):
+            if gap_line(r):
+                print(f"  GPU between passes, {who}: {gap_line(r)}")
+
+
+def print_report(res: dict, alone: dict | None, args) -> None:
+    front = ("no Ingress: the LLMServer replica serves HTTP (direct streaming)" if res.get("ingress") == "direct"
+             else f"{res['ingress_replicas']} ingress replicas")
+    loop = res.get("user_code_loop", "separate")  # files before 2026-12-04's sixteenth session: Serve's default
+    print(f"\nfull stack (Ray Serve, OpenAI HTTP via its {res['http_proxy']} proxy, engine "
+          f"{'in its own process' if res['engine_process_resolved'] == 'separate' else 'in the replica process'}, streaming; "
+          f"{front}, stream_interval_ms {args.stream_interval_ms:g}, our code on "
+          f"{'the replica main loop' if loop == 'shared' else 'Serve user-code thread'}); "
+          f"ready after {res['deploy_ready_s']:.1f} s; placement {res['placement']}")
+    if (alone or {}).get("engine_process") == "separate":
+        print("engine column: the engine alone in a process of its own, driven from the benchmark's (gpu_engine.py "
+              "--engine-process separate)")
+    print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
+    print_loads(res, alone, args)
+    for tag in res.get("compare_tags", []):
+        # the engine column only from the engine's own loads under the same change
+        paired = alone is not None and any(k.endswith(f"_{tag}") for k in alone)
+        print(f"with {tag}, changed on the live replica"
+              + ("" if paired else " (the engine file has no loads under it: no engine column)") + ":")
+        print_loads(with_compare(res, tag), with_compare(alone, tag) if paired else None, args)
     if res.get("engine_prefill_passes") is not None:
         w = res.get("warm_up") or {}
         about = f"{w.get('prefill_graphs', 0)} graphs captured in {w.get('prefill_graph_capture_s') or 0:.1f} s"
@@ -365,6 +419,10 @@ def main() -> None:
     p.add_argument("--ingress-replicas", type=int, default=4, help="server.ingress_replicas")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="an engine option over the benchmark's own, e.g. --set compile_decode=false")
+    p.add_argument("--compare", action="append", default=[], type=_options, metavar="KEY=JSON[,KEY=JSON]",
+                   help="after the loads, the same loads again with these engine options changed on the live "
+                        "replica, then changed back (repeatable): options the engine reads while it runs, e.g. "
+                        "launch_lead_ms=1; each prints against gpu_engine.py's loads under the same --compare")
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
     add_http_proxy_arg(p, many=True)  # both: the second compile reuses Inductor's cache (below)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.engines.launch_timing import PassTimer, launch_wait_s
+from serve_app.engines.launch_timing import GapMeter, PassTimer, launch_wait_s
 
 
 def test_a_kind_never_measured_has_no_prediction_and_launches_at_once():
@@ -67,3 +67,58 @@ def test_the_engine_waits_for_the_lead_before_the_pass_in_flight_ends():
     eng.options.launch_lead_ms = 2.0
     eng._inflight.started_s = None  # a mixed pass whose first token was read at once: nothing to wait for
     assert eng._launch_wait_s() == 0.0
+
+
+def test_the_gap_meter_counts_the_gpu_between_consecutive_passes_only():
+    # events as GPU timestamps in ms: elapsed_ms(a, b) is b - a, as a.elapsed_time(b) on CUDA events
+    meter = GapMeter(elapsed_ms=lambda a, b: b - a, late_ms=0.1)
+    meter.on_read(7, start=0.0, end=5.8)  # the first pass read: no pass before it to measure from
+    assert meter.measured == 0
+    meter.on_read(8, start=5.83, end=11.6)  # launched 30 us before the GPU could start it: a small gap
+    meter.on_read(9, start=12.1, end=28.6)  # launched 0.5 ms after the GPU ran dry
+    assert (meter.measured, meter.late) == (2, 1)
+    assert meter.total_ms == pytest.approx(0.03 + 0.5)
+    # pass 10 ran outside the pipeline (the host waited for it): the time from 9's end to 11's start is
+    # that pass, not a gap
+    meter.on_read(11, start=45.0, end=50.8)
+    assert meter.measured == 2
+    meter.on_read(12, start=50.8, end=56.6)  # back to back: a gap of 0, measured
+    meter.on_read(13, start=None, end=62.4)  # a pass without a start event (no CUDA) says nothing
+    meter.on_read(14, start=62.3, end=68.2)  # a clock a hair apart is no negative gap
+    assert (meter.measured, meter.late) == (4, 1)
+    assert meter.total_ms == pytest.approx(0.53)
+
+
+class FakeCudaEvent:
+    """Stands in for torch.cuda.Event, which needs a GPU: a pass's end (or start) at a fixed time in ms that has
+    already completed."""
+
+    def __init__(self, at_ms: float):
+        self.at_ms = at_ms
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "FakeCudaEvent") -> float:
+        return other.at_ms - self.at_ms
+
+
+def test_the_engine_measures_the_gap_between_the_passes_it_reads():
+    # the engine's glue (HFEngine._read_inflight): each pass read gives its launch index and start and end events
+    # to the meter, and the stats carry the totals
+    import torch
+
+    from serve_app.engines.hf import HFEngine, _InFlight
+    from serve_app.engines.options import HFEngineOptions
+
+    eng = HFEngine(HFEngineOptions(model="/unused"))
+    for index, (start, end) in enumerate([(0.0, 5.8), (6.3, 12.1), (12.1, 17.9)], start=1):
+        eng._inflight = _InFlight([], torch.zeros(1, dtype=torch.long), torch.zeros(1), FakeCudaEvent(end), 0,
+                                  ("decode", 64, 768), launched_s=0.0, index=index, start_event=FakeCudaEvent(start))
+        eng._read_inflight()
+    s = eng.stats()
+    assert (s.gpu_gaps_measured, s.gpu_gaps_late) == (2, 1)
+    assert s.gpu_gap_total_ms == pytest.approx(0.5)

@@ -250,3 +250,33 @@ def test_timeout_is_504_and_stream_ends_with_error_and_done(slow_null):
         lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "timeout"
+
+
+def test_engine_options_change_on_the_live_replica_all_or_nothing(slow_null_app):
+    # a benchmark's compare (gpu_stack.py --compare) changes options the engine reads while it runs, through a
+    # Serve handle to the LLMServer replica; a bad change is refused whole and leaves the replica as it was
+    from ray import serve
+
+    from serve_app.app import llm_deployment_name
+    from serve_app.errors import InvalidRequestError
+
+    h = serve.get_deployment_handle(llm_deployment_name("slow", "stable"), slow_null_app["app"])
+    body = {"model": "slow", "prompt": "hi", "max_tokens": 2}
+
+    def text() -> str:
+        r = httpx.post(slow_null_app["base"] + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text() == " tok tok"
+    try:
+        assert h.update_engine_options.remote({"token_text": "z"}).result() == {"token_text": "z"}
+        assert text() == "zz"
+        with pytest.raises(InvalidRequestError, match="tokens_per_s"):
+            h.update_engine_options.remote({"token_text": "y", "tokens_per_s": -1}).result()
+        with pytest.raises(InvalidRequestError, match="no_such_option"):
+            h.update_engine_options.remote({"no_such_option": 1}).result()
+        assert text() == "zz"
+    finally:
+        h.update_engine_options.remote({"token_text": " tok"}).result()
+    assert text() == " tok tok"

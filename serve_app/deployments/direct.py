@@ -118,6 +118,9 @@ class DirectServer(Ingress):
     async def stats(self) -> dict:
         return await self.server.stats()
 
+    async def update_engine_options(self, changes: dict) -> dict:
+        return await self.server.update_engine_options(changes)
+
     async def check_health(self) -> None:
         await self.server.check_health()
 

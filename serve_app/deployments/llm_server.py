@@ -231,6 +231,12 @@ class LLMServer:
             s["engine_process_gc"] = self.engine.process_gc
         return s
 
+    async def update_engine_options(self, changes: dict) -> dict:
+        """Changes engine options on this live replica (:meth:`Engine.update_options`: validated, all or
+        nothing, only those read while running take effect) and returns them as set. Reachable through a Serve
+        handle only, not HTTP: for a benchmark's compare of such options on one deployment."""
+        return self.engine.update_options(changes)
+
     async def check_health(self) -> None:
         await self.engine.check_health()
 

@@ -45,6 +45,8 @@ from typing import Any, AsyncIterator, ClassVar, Protocol
 
 from pydantic import BaseModel
 
+from serve_app.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
@@ -116,6 +118,10 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     aborted_requests: int = 0
+    # the GPU between consecutive pipelined passes (hf static cache on CUDA; launch_timing.GapMeter)
+    gpu_gaps_measured: int = 0
+    gpu_gap_total_ms: float = 0.0
+    gpu_gaps_late: int = 0  # of gpu_gaps_measured, over 0.1 ms: the pass launched after the GPU ran dry
     healthy: bool = True
 
     def as_dict(self) -> dict[str, Any]:
@@ -205,6 +211,19 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with ``finish_reason="abort"``."""
+
+    def update_options(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Changes options on the live engine, validated with the rest first: a bad key or value raises
+        :class:`~serve_app.errors.InvalidRequestError` and changes nothing. Returns the values as set. Only
+        options the backend reads while it runs take effect (hf's ``launch_lead_ms``); those read at start
+        (graphs, cache sizes) keep what they did then. For a benchmark's compare on one live deployment."""
+        try:
+            checked = type(self.options).model_validate({**self.options.model_dump(), **changes})
+        except ValueError as e:
+            raise InvalidRequestError(f"bad engine options {changes}: {e}") from e
+        for key in changes:
+            setattr(self.options, key, getattr(checked, key))
+        return {key: getattr(checked, key) for key in changes}
 
     @abc.abstractmethod
     def stats(self) -> EngineStats:

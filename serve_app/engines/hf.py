@@ -39,7 +39,7 @@ from serve_app.errors import (
 
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest
 from .hf_batch import LocalRunner, resolve_device_dtype
-from .launch_timing import PassTimer, launch_wait_s
+from .launch_timing import GapMeter, PassTimer, launch_wait_s
 from .options import HFEngineOptions
 from .prefill_policy import PrefillContext, hold_prefill
 from .textproc import IncrementalDetokenizer, StopStringFilter
@@ -89,6 +89,8 @@ class _InFlight:
     launched_s: float
     started_s: float | None = None  # when the GPU started it, as far as the host can tell
     started_exact: bool = False  # the pass before it ended while the host waited for it: started_s is exact
+    index: int = -1  # forward_passes once it was launched: consecutive passes are one apart (GapMeter)
+    start_event: object | None = None  # recorded before its kernels; None without CUDA
 
 
 def _deliver_all(items) -> None:
@@ -160,6 +162,7 @@ class HFEngine(HFTokenization, Engine):
         self._free: list[int] = []
         self._inflight: _InFlight | None = None  # the launched, not yet read pass (static, cuda)
         self._pass_timer = PassTimer()  # the GPU time of recent passes, for launch_lead_ms
+        self._gaps = GapMeter()  # the GPU's time between pipelined passes
         self._gpu_free_s: float | None = None  # when the last pass read had ended, if the host saw it end
         self._chunked: _Seq | None = None  # static: the prompt being prefilled in chunks (mixed_chunk_tokens)
         self._outbox: list[tuple[_Seq, object]] = []
@@ -276,8 +279,8 @@ class HFEngine(HFTokenization, Engine):
             # two sets of pinned host buffers: one step's ids in flight while the previous one is read
             # (one row more: the first token of the prompt a mixed pass finishes)
             self._host = [(torch.empty(opts.max_num_seqs + 1, dtype=torch.long, pin_memory=True),
-                           torch.empty(opts.max_num_seqs + 1, dtype=torch.float32, pin_memory=True),
-                           torch.cuda.Event()) for _ in range(2)]
+                           torch.empty(opts.max_num_seqs + 1, dtype=torch.float32, pin_memory=True))
+                          for _ in range(2)]
             self._host_turn = 0
         log.info("static KV cache: %d slots x %d tokens, %.2f GB", opts.max_num_seqs, self._max_model_len,
                  self._slots.cache.bytes / 1e9)
@@ -428,6 +431,9 @@ class HFEngine(HFTokenization, Engine):
             prompt_tokens=s.prompt_tokens,
             generated_tokens=s.generated_tokens,
             aborted_requests=s.aborted_requests,
+            gpu_gaps_measured=self._gaps.measured,
+            gpu_gap_total_ms=self._gaps.total_ms,
+            gpu_gaps_late=self._gaps.late,
             healthy=self._fatal is None,
         )
 
@@ -650,6 +656,7 @@ class HFEngine(HFTokenization, Engine):
         key = self._slots.mixed_key(len(chunk), rows, max(longest, end) if start else longest, resumes=start > 0)
         if key is None:  # mixed passes switched off on a live engine (a benchmark's compare)
             raise EngineError("chunked prefill lost its mixed passes")
+        began = self._start_event()
         prompt_logits, step = self._slots.mixed(key, chunk, seq.slot, self._pad_id, start=start)
         self._stats.forward_passes += 1
         self._stats.prefill_passes += 1
@@ -658,7 +665,7 @@ class HFEngine(HFTokenization, Engine):
         if end == len(prompt):
             self._chunked = None
             seq.prefilling = False
-        self._after_mixed(key, busy, rows, step, prompt_logits, [seq] if end == len(prompt) else [])
+        self._after_mixed(key, busy, rows, step, prompt_logits, [seq] if end == len(prompt) else [], began)
 
     def _mixed_static(self, new: list[_Seq]) -> bool:
         """One new prompt and the running rows' decode step in one captured pass (SlotDecoder.mixed), if one
@@ -672,11 +679,13 @@ class HFEngine(HFTokenization, Engine):
         if key is None:
             return False
         self._start_static(new)
+        began = self._start_event()
         prompt_logits, step = self._slots.mixed(key, seq.req.prompt_token_ids, seq.slot, self._pad_id)
-        self._after_mixed(key, busy, rows, step, prompt_logits, new)
+        self._after_mixed(key, busy, rows, step, prompt_logits, new, began)
         return True
 
-    def _after_mixed(self, key, busy: list[_Seq], rows: int, step, prompt_logits, prompted: list[_Seq]) -> None:
+    def _after_mixed(self, key, busy: list[_Seq], rows: int, step, prompt_logits, prompted: list[_Seq],
+                     began) -> None:
         """After a mixed pass (``key``) is queued: its rows' tokens in flight while the previous step's are
         read, and the first token of ``prompted`` (the sequence whose prompt the pass finished, if it did), which
         overwrites what the pass left in the (then free) slot's row: on the GPU with the rows' tokens, or, for
@@ -684,7 +693,7 @@ class HFEngine(HFTokenization, Engine):
         # a prompt sampled on the GPU gets its first token with the rows': reading it now would make the host
         # wait for this pass, the GPU idle until the next launch, and hold the previous step's tokens back
         first = prompted[0] if prompted and prompted[0].fast_sampling else None
-        launched = self._after_launch(busy, rows, *(t[:rows] for t in step), kind=("mixed", key),
+        launched = self._after_launch(busy, rows, *(t[:rows] for t in step), kind=("mixed", key), start=began,
                                       first=(first, prompt_logits) if first is not None else None)
         if prompted and first is None:
             self._read_inflight()
@@ -718,9 +727,10 @@ class HFEngine(HFTokenization, Engine):
         written on the device, so nothing waits for the host."""
         rows, span = self._rows_and_span(busy)
         self._stats.forward_passes += 1
+        start = self._start_event()
         # greedy, inside the step
         return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)),
-                                  kind=("decode", self._slots.decode_key(rows, span)))
+                                  kind=("decode", self._slots.decode_key(rows, span)), start=start)
 
     def _hand_over(self, launched: _InFlight) -> None:
         """The pass just launched becomes the one in flight once the previous one is read (its tokens handed
@@ -734,7 +744,7 @@ class HFEngine(HFTokenization, Engine):
         if self._slots.device.type != "cuda":
             self._read_inflight()
 
-    def _after_launch(self, busy: list[_Seq], rows: int, logits, chosen, lp, *, kind: tuple,
+    def _after_launch(self, busy: list[_Seq], rows: int, logits, chosen, lp, *, kind: tuple, start,
                       first: tuple | None = None) -> _InFlight:
         """Sampling other than greedy for the rows of a step just queued (a pass of ``kind``), ``first``'s
         first token (the sequence whose prompt the pass finished, and the prompt's logits) drawn on the GPU,
@@ -771,8 +781,10 @@ class HFEngine(HFTokenization, Engine):
             snapshot.append((rows, seq))
             n = rows + 1
         if self._slots.device.type == "cuda":
-            host_tok, host_lp, event = self._host[self._host_turn]
+            host_tok, host_lp = self._host[self._host_turn]
             self._host_turn ^= 1
+            # one per pass, timed: the GapMeter reads the last pass's end after the next pass is launched
+            event = torch.cuda.Event(enable_timing=True)
             host_tok[:rows].copy_(chosen, non_blocking=True)
             host_lp[:rows].copy_(lp, non_blocking=True)
             if first is not None:
@@ -783,7 +795,19 @@ class HFEngine(HFTokenization, Engine):
             host_tok, host_lp, event = chosen, lp, None
             if first is not None:
                 host_tok, host_lp = torch.cat([chosen, first_tok]), torch.cat([lp, first_lp])
-        return _InFlight(snapshot, host_tok, host_lp, event, n, kind, time.monotonic())
+        return _InFlight(snapshot, host_tok, host_lp, event, n, kind, time.monotonic(),
+                         index=self._stats.forward_passes, start_event=start)
+
+    def _start_event(self):
+        """A timed event recorded now on the GPU, before a pipelined pass's kernels (GapMeter); None without
+        CUDA."""
+        if self._slots.device.type != "cuda":
+            return None
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _first_token_on_device(self, seq: _Seq, logits):
         """The first token of ``seq`` (greedy or plain temperature) from its prompt's last logits [1, V],
@@ -819,6 +843,7 @@ class HFEngine(HFTokenization, Engine):
             self._gpu_free_s = None if ended_before else now
             if not ended_before and p.started_exact:
                 self._pass_timer.observe(p.kind, now - p.started_s)
+            self._gaps.on_read(p.index, p.start_event, p.event)
         toks, lps = p.host_tok[:p.n].tolist(), p.host_lp[:p.n].tolist()
         for row, seq in p.snapshot:
             if not seq.finished:  # finished a step earlier, or aborted: its extra token is dropped

@@ -230,17 +230,11 @@ class SeparateProcessEngine(Engine):
         if self._gone is None:
             self._send(("abort", request_id))
 
-    def update_options(self, changes: dict[str, Any]) -> None:
-        """Changes options the backend reads while it runs (e.g. hf's launch_lead_ms) in the child and here,
-        validated first; requests sent after this call see them. For a benchmark's compare on one live engine:
-        options read at start (graphs, cache sizes) keep their effect."""
-        try:
-            checked = type(self.options).model_validate({**self.options.model_dump(), **changes})
-        except ValueError as e:
-            raise InvalidRequestError(f"bad engine options {changes}: {e}") from e
-        for key in changes:
-            setattr(self.options, key, getattr(checked, key))
-        self._send(("options", {key: getattr(checked, key) for key in changes}))
+    def update_options(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """As :meth:`Engine.update_options`, here and in the child; requests sent after this call see them."""
+        applied = super().update_options(changes)
+        self._send(("options", applied))
+        return applied
 
     # ---- the socket --------------------------------------------------------
     def _send(self, msg: tuple) -> None:
