@@ -128,6 +128,25 @@ def test_the_stack_report_pairs_the_launch_lead_runs_with_the_engine_under_its_c
     assert "TTFT p50 at 64, 10/stream (ms)          65.9      52.0  +13.9 ms" in lead
     assert "output tok/s at 64, 10/stream           4971      5099  97 % of engine" in nolead
 
+
+def test_the_stack_report_pairs_each_live_compare_with_the_engines_same_compare(monkeypatch, capsys):
+    # the nineteenth session's lead sweep (docs/benchmarks.md, runs 86-87): one stack file holding the default loads
+    # and those under two launch_lead_ms changes made on the live replica, each against the engine's loads under the
+    # same change; a change the engine file lacks gets no engine column instead of another setting's
+    engine = "gpu_engine-h200-2026-12-04-a553ab2-AD-mixed512-separate-cold-leadsweep.json"
+    stack = "gpu_stack-h200-2026-12-04-a553ab2-AD-haproxy-direct-shared-mixed512-separate-leadsweep-warm.json"
+    default, lead1, lead05 = stack_report(monkeypatch, capsys, engine, stack).split("\nwith launch_lead_ms=")
+    assert "TTFT p50 at 32 (ms)                     33.8      23.1  +10.7 ms" in default
+    assert "TTFT p50 at 32 (ms)                     32.2      28.2  +4.0 ms" in lead1
+    assert "TTFT p50 at 64, 10/stream (ms)          66.5      58.9  +7.6 ms" in lead05
+    assert "GPU between passes, engine: 416.8 ms over 1347 gaps" in lead05
+    # the inline stack's lead-1 loads against AC's engine file, which has no launch_lead_ms=1 compare
+    inline = "gpu_stack-h200-2026-12-04-a553ab2-AD-haproxy-direct-shared-mixed512-inline-lead1compare-warm.json"
+    unpaired = stack_report(monkeypatch, capsys, "gpu_engine-h200-2026-12-04-e1273e8-AC-mixed512-separate-cold-"
+                            "lead2compare.json", inline).split("\nwith launch_lead_ms=")[1]
+    assert "the engine file has no loads under it: no engine column" in unpaired
+    assert "TTFT p50 at 64, 10/stream (ms)          87.8       nan" in unpaired
+
 def test_the_client_lag_counts_a_blocked_loop():
     import asyncio
     import time

@@ -155,7 +155,9 @@ class HFEngineOptions(StrictModel):
         "on one machine, against null: the engine in its own process (as a GPU replica runs it) TTFT p50 "
         "32.5 -> 22.3 ms at 32 concurrent and 61.3 -> 52.0 at 64 x 10, 5,004 -> 5,099 tok/s; through the "
         "stack 38.3 -> 34.3 and 72.9 -> 65.9 ms, 4,971 -> 5,071 tok/s; the engine inline 27.9 -> 22.8 and "
-        "51.2 -> 51.4 ms, 5,068 -> 5,034 tok/s (docs/gpu_notes.md runs 82-85).",
+        "51.2 -> 51.4 ms, 5,068 -> 5,034 tok/s (docs/gpu_notes.md runs 82-85). Shorter leads (runs 86-89): "
+        "1 ms did not beat 2 at every load alone or through the stack; 0.5 ms left the GPU idle between passes "
+        "2.5 % of the time against 1.5 % (the engine's gpu_gap_total_ms).",
     )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
