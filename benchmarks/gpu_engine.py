@@ -196,7 +196,7 @@ async def run(args) -> dict:
         after = engine.stats()
         # prefill_graph_passes: one-prompt passes replayed; prefill_eager_passes: shapes not compiled;
         # mixed_passes: one prompt and a decode step in one captured pass
-        # gpu_gap*: the GPU between consecutive pipelined passes (what a launch lead too short would cost)
+        # gpu_gap*: the GPU between consecutive passes (what a launch lead too short, or a host wait, costs)
         for counter in ENGINE_COUNTERS:
             results[key][counter] = getattr(after, counter) - getattr(before, counter)
         results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
@@ -548,7 +548,7 @@ ENGINE_COUNTERS = ("forward_passes", "prefill_passes", "prefill_eager_passes", "
 
 
 def gap_line(r: dict) -> str | None:
-    """One load's GPU time between pipelined passes, for the tables; None where the run did not measure it
+    """One load's GPU time between passes, for the tables; None where the run did not measure it
     (files before 2026-12-04's nineteenth session, the CPU)."""
     if not r.get("gpu_gaps_measured"):
         return None

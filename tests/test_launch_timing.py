@@ -78,8 +78,7 @@ def test_the_gap_meter_counts_the_gpu_between_consecutive_passes_only():
     meter.on_read(9, start=12.1, end=28.6)  # launched 0.5 ms after the GPU ran dry
     assert (meter.measured, meter.late) == (2, 1)
     assert meter.total_ms == pytest.approx(0.03 + 0.5)
-    # pass 10 ran outside the pipeline (the host waited for it): the time from 9's end to 11's start is
-    # that pass, not a gap
+    # pass 10 was never read (a lost event): the time from 9's end to 11's start is not known to be a gap
     meter.on_read(11, start=45.0, end=50.8)
     assert meter.measured == 2
     meter.on_read(12, start=50.8, end=56.6)  # back to back: a gap of 0, measured
@@ -87,6 +86,12 @@ def test_the_gap_meter_counts_the_gpu_between_consecutive_passes_only():
     meter.on_read(14, start=62.3, end=68.2)  # a clock a hair apart is no negative gap
     assert (meter.measured, meter.late) == (4, 1)
     assert meter.total_ms == pytest.approx(0.53)
+    # the engine waited for requests: the GPU's wait for them is no gap of the host's
+    meter.restart()
+    meter.on_read(15, start=5000.0, end=5010.0)
+    assert meter.measured == 4
+    meter.on_read(16, start=5010.2, end=5016.0)
+    assert (meter.measured, meter.late) == (5, 2)
 
 
 class FakeCudaEvent:

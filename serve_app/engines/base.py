@@ -118,7 +118,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     aborted_requests: int = 0
-    # the GPU between consecutive pipelined passes (hf static cache on CUDA; launch_timing.GapMeter)
+    # the GPU's time between consecutive passes while there was work (hf static cache on CUDA; launch_timing.GapMeter)
     gpu_gaps_measured: int = 0
     gpu_gap_total_ms: float = 0.0
     gpu_gaps_late: int = 0  # of gpu_gaps_measured, over 0.1 ms: the pass launched after the GPU ran dry

@@ -162,7 +162,7 @@ class HFEngine(HFTokenization, Engine):
         self._free: list[int] = []
         self._inflight: _InFlight | None = None  # the launched, not yet read pass (static, cuda)
         self._pass_timer = PassTimer()  # the GPU time of recent passes, for launch_lead_ms
-        self._gaps = GapMeter()  # the GPU's time between pipelined passes
+        self._gaps = GapMeter()  # the GPU's time between passes, while there is work
         self._gpu_free_s: float | None = None  # when the last pass read had ended, if the host saw it end
         self._chunked: _Seq | None = None  # static: the prompt being prefilled in chunks (mixed_chunk_tokens)
         self._outbox: list[tuple[_Seq, object]] = []
@@ -444,6 +444,7 @@ class HFEngine(HFTokenization, Engine):
         with torch.inference_mode():
             while True:
                 with self._cv:
+                    idle = False
                     while (
                         not self._stopping
                         and not self._inbox
@@ -452,7 +453,10 @@ class HFEngine(HFTokenization, Engine):
                         and not self._running
                         and self._inflight is None
                     ):
+                        idle = True
                         self._cv.wait()
+                    if idle:  # the GPU then waited for requests, not for the host
+                        self._gaps.restart()
                     if self._stopping:
                         break
                     # launch_lead_ms: requests that arrive meanwhile still make the next pass
@@ -706,8 +710,22 @@ class HFEngine(HFTokenization, Engine):
 
     def _prefill_static(self, new: list[_Seq]) -> None:
         self._start_static(new)
+        start = self._start_event()
         logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
         self._first_tokens(new, logits)
+        self._waited_for(start)
+
+    def _waited_for(self, start) -> None:
+        """A pass the host has just waited for (its tokens read at once), started at ``start``: the GapMeter's
+        too, so the time the host takes around it shows."""
+        if start is None:
+            return
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()  # at once: the host read the pass's tokens already
+        self._gaps.on_read(self._stats.forward_passes, start, end)
 
     def _first_tokens(self, new: list[_Seq], logits) -> None:
         import torch
@@ -799,7 +817,7 @@ class HFEngine(HFTokenization, Engine):
                          index=self._stats.forward_passes, start_event=start)
 
     def _start_event(self):
-        """A timed event recorded now on the GPU, before a pipelined pass's kernels (GapMeter); None without
+        """A timed event recorded now on the GPU, before a pass's kernels (GapMeter); None without
         CUDA."""
         if self._slots.device.type != "cuda":
             return None
@@ -855,6 +873,7 @@ class HFEngine(HFTokenization, Engine):
         import torch
 
         rows, span = self._rows_and_span(busy)
+        start = self._start_event()
         logits = self._slots.decode(rows, span)[0][:rows]  # the step moved the positions on already
         self._stats.forward_passes += 1
         slots = torch.tensor([s.slot for s in busy], dtype=torch.long).to(self.device)
@@ -863,6 +882,7 @@ class HFEngine(HFTokenization, Engine):
         for s in busy:
             s.pos += 1
         self._drop_finished()
+        self._waited_for(start)
 
     def _release(self, seqs: list[_Seq]) -> None:
         import heapq

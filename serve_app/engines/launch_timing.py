@@ -58,14 +58,16 @@ def launch_wait_s(now_s: float, started_s: float, predicted_s: float | None, lea
 
 
 class GapMeter:
-    """The GPU's time between one pipelined pass's end and the next one's start, from events recorded around
-    each pass (CUDA events on a GPU; ``elapsed_ms(a, b)`` is ``a.elapsed_time(b)``).
+    """The GPU's time between one pass's end and the next one's start, from events recorded around each pass
+    (CUDA events on a GPU; ``elapsed_ms(a, b)`` is ``a.elapsed_time(b)``).
 
     Why: a launch lead that is too short, or a host that is late, shows only as a gap on the GPU, which the
-    throughput of one run hides in the spread between runs (±2 %); measured, it says what a lead costs. Only
-    consecutive passes count (``index`` one more than the last read's): a pass the host waited for outside the
-    pipeline (a several-prompt prefill, a host-sampled step) sits between the two and is not a gap. The small
-    kernels the host queues between two passes (freeing a slot) count as gap: they are the host's too."""
+    throughput of one run hides in the spread between runs (±2 %); measured, it says what a lead costs, and
+    what the host costs where it waits for a pass (a several-prompt prefill, a host-sampled step) before it
+    launches the next. Passes are read in launch order; only consecutive ones count (``index`` one more than the
+    last read's), and :meth:`restart` after the engine waited for work: a GPU idle for want of requests is not
+    the host's gap. The small kernels the host queues between two passes (freeing a slot) count as gap: they
+    are the host's too."""
 
     def __init__(self, elapsed_ms: Callable[[Any, Any], float] = lambda a, b: a.elapsed_time(b),
                  late_ms: float = 0.1):
@@ -87,3 +89,7 @@ class GapMeter:
         self.total_ms += gap_ms
         if gap_ms > self.late_ms:
             self.late += 1
+
+    def restart(self) -> None:
+        """The engine had nothing to run: the next pass's wait is not measured."""
+        self._prev = None
