@@ -161,7 +161,8 @@ async def run(args) -> dict:
 
     slots = getattr(engine, "_slots", None)  # None in a child process: its graphs are measured inline only
     if slots is None and engine.warm_up:
-        results.update(**{k: engine.warm_up.get(k) for k in ("prefill_graphs", "mixed_graphs", "mixed_compile_s")})
+        results.update(**{k: engine.warm_up.get(k) for k in ("prefill_graphs", "mixed_graphs", "mixed_compile_s",
+                                                             "compile_cache")})
     if slots is not None:
         # the one-prompt prefill graphs as the replica reports them (its warm_up)
         w = engine.warm_up
@@ -171,7 +172,7 @@ async def run(args) -> dict:
                        **{k: w[k] for k in ("prefill_graphs", "prefill_graph_capture_s", "prefill_graph_gb",
                                             "prefill_graph_error", "mixed_graphs", "mixed_compile_s",
                                             "mixed_compile_error", "mixed_graph_capture_s", "mixed_graph_gb",
-                                            "mixed_graph_error")})
+                                            "mixed_graph_error", "compile_cache")})
     save()
 
     # single stream: decode step = (e2e - ttft) / (tokens - 1)
@@ -632,6 +633,8 @@ def main() -> None:
     for key in ("mixed_compile_error", "mixed_graph_error"):
         if res.get(key):
             print(f"{key}: {res[key]}")
+    if res.get("compile_cache"):  # whether the start's compiles found torch.compile's disk caches warm
+        print(f"compile caches at ready: {res['compile_cache']}")
     print(f"{'measure':<34}{'value':>12}  target")
     print(f"{'single-stream decode step (ms)':<34}{s['decode_step_ms']:>12.2f}  <= {1.3 * floor_ms:.2f} (1.3 x 3.6 ms floor)")
     print(f"{'single-stream tok/s':<34}{s['tok_s']:>12.1f}")

@@ -370,6 +370,8 @@ def print_report(res: dict, alone: dict | None, args) -> None:
     if (alone or {}).get("engine_process") == "separate":
         print("engine column: the engine alone in a process of its own, driven from the benchmark's (gpu_engine.py "
               "--engine-process separate)")
+    if (res.get("warm_up") or {}).get("compile_cache"):  # whether the replica's compiles found the disk caches warm
+        print(f"compile caches at ready: {res['warm_up']['compile_cache']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
     print_loads(res, alone, args)
     for tag in res.get("compare_tags", []):

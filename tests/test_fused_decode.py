@@ -468,3 +468,21 @@ def test_the_decode_probe_profiles_the_compiled_prefill_pass_without_an_eager_mi
     assert all(r["eager_passes"] == 0 and r["ms"] > 0 for r in rows[1:])
     assert rows[0]["graphs"] == 1 and rows[0]["graph_error"] is None  # 24 tokens: the 64-token length only
     assert rows[-1]["graph_passes"] > 0 and rows[-2]["graph_passes"] == 0
+
+
+def test_the_compile_cache_counts_say_whether_a_compile_found_the_disk_cache(monkeypatch, tmp_path):
+    # the engine's warm-up reports them (a Ray replica's compiles on an H200 missed a warm cache, gpu_notes run 88);
+    # a real torch.compile on the CPU, into a fresh cache directory, then the same graph again from that cache
+    from serve_app.engines.slot_kv import compile_cache_counts
+
+    def total(counts: dict, kind: str) -> int:
+        return sum(v for k, v in counts.items() if kind in k)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    before = compile_cache_counts()
+    torch.compile(lambda x: torch.nn.functional.silu(x) * 3)(torch.randn(8, 8))
+    first = compile_cache_counts()
+    assert total(first, "cache_miss") > total(before, "cache_miss")
+    # the same graph from another function: traced again, and its compiled code found in the cache
+    torch.compile(lambda y: torch.nn.functional.silu(y) * 3)(torch.randn(8, 8))
+    assert total(compile_cache_counts(), "cache_hit") > total(first, "cache_hit")

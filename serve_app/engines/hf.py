@@ -398,6 +398,8 @@ class HFEngine(HFTokenization, Engine):
         out: dict = {"load_s": self.load_time_s, "kv_cache": "static" if self._slots is not None else "dynamic"}
         slots = self._slots
         if slots is not None:
+            from .slot_kv import compile_cache_counts
+
             out.update(cuda_graphs=len(slots.graphs), graph_capture_s=slots.capture_s,
                        decode_compile_s=slots.compile_s, decode_compile_error=slots.compile_error,
                        prefill_compiled=slots.has_compiled_prefill,
@@ -409,7 +411,8 @@ class HFEngine(HFTokenization, Engine):
                        mixed_graphs=len(slots.mixed_graph_keys), mixed_compile_s=slots.mixed_compile_s,
                        mixed_compile_error=slots.mixed_compile_error,
                        mixed_graph_capture_s=slots.mixed_graph_capture_s,
-                       mixed_graph_gb=slots.mixed_graph_reserved_bytes / 1e9, mixed_graph_error=slots.mixed_graph_error)
+                       mixed_graph_gb=slots.mixed_graph_reserved_bytes / 1e9, mixed_graph_error=slots.mixed_graph_error,
+                       compile_cache=compile_cache_counts())
         return out
 
     def stats(self) -> EngineStats:

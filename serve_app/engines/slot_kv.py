@@ -214,6 +214,17 @@ def capture_graph(run, pool, stream):
     return graph, out
 
 
+def compile_cache_counts() -> dict[str, int]:
+    """This process's hits and misses of torch.compile's on-disk caches so far (Inductor's FX graph cache, AOT
+    autograd's): whether a start's minutes of compiling found the cache warm. Why: on an H200 the engine in a Ray
+    replica's own process compiled for 407 s on a cache that had just served the same compiles to a child process
+    in 127 s (docs/gpu_notes.md run 88); the counts say which compiles missed."""
+    from torch._dynamo.utils import counters
+
+    return {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+            if "cache_hit" in k or "cache_miss" in k or "cache_bypass" in k}
+
+
 def bucket(n: int, sizes: list[int]) -> int:
     for s in sizes:
         if s >= n:
