@@ -219,9 +219,12 @@ def compile_cache_counts() -> dict[str, int]:
     autograd's): whether a start's minutes of compiling found the cache warm. Why: on an H200 the engine in a Ray
     replica's own process compiled for 407 s on a cache that had just served the same compiles to a child process
     in 127 s (docs/gpu_notes.md run 88); the counts say which compiles missed."""
-    from torch._dynamo.utils import counters
+    import sys
 
-    return {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is None:  # nothing compiled in this process, and importing Dynamo takes seconds: no counts
+        return {}
+    return {k: v for group in ("inductor", "aot_autograd") for k, v in dynamo.counters[group].items()
             if "cache_hit" in k or "cache_miss" in k or "cache_bypass" in k}
 
 
