@@ -217,8 +217,8 @@ def capture_graph(run, pool, stream):
 def compile_cache_counts() -> dict[str, int]:
     """This process's hits and misses of torch.compile's on-disk caches so far (Inductor's FX graph cache, AOT
     autograd's): whether a start's minutes of compiling found the cache warm. Why: on an H200 the engine in a Ray
-    replica's own process compiled for 407 s on a cache that had just served the same compiles to a child process
-    in 127 s (docs/gpu_notes.md run 88); the counts say which compiles missed."""
+    replica's own process compiled for 407 s on a cache with which a child process's engine had just been ready
+    in 127 s, compiles included (docs/gpu_notes.md run 88); the counts say which compiles missed."""
     import sys
 
     dynamo = sys.modules.get("torch._dynamo.utils")
