@@ -4,9 +4,9 @@
     python3 benchmarks/inductor_cache.py unpack --parts .inductor_cache [--cache DIR]
 
 Why: every device machine starts bare, and a cold start of the 7B engine spends
-~390 s of its ~420 s compiling (decode, prefill and mixed passes; 130-170 s on a
-warm cache), a fifth of a session's 1,800 s of device time for each fresh
-machine. `pack`, at the end of a call, writes the cache as xz parts small enough
+~380 s of its ~420 s compiling (decode 83, prefill 170, mixed 130 s on machine
+AD; ready in 130-170 s on a warm cache), a fifth of a session's 1,800 s of
+device time for each fresh machine. `pack`, at the end of a call, writes the cache as xz parts small enough
 to come back from $OUT (at most 8 files of 16 MiB, 64 MiB in all); copied here
 into the ignored `.inductor_cache/` and carried by a later call (the working
 tree travels in 64 MiB, the Ray bundle takes 46 of them), `unpack` puts it back
