@@ -216,11 +216,14 @@ async def run(args) -> dict:
     # the same loads under other options, changed on the live engine (no second compile): an engine
     # option, or with "slots." one of the decoder's switches (e.g. slots.prefill_compiled=false)
     def apply(change: dict, targets: dict) -> None:
-        if args.engine_process == "separate":  # options only (main refuses slots. keys): the child's copy too
-            engine.update_options(change)
-            return
+        # engine options validated and set by the engine (in a separate process, the child's copy too); the
+        # decoder's switches, inline only (main refuses slots. keys with a separate process), set directly
+        options = {key: value for key, value in change.items() if not key.startswith("slots.")}
+        if options:
+            engine.update_options(options)
         for key, value in change.items():
-            setattr(*targets[key], value)
+            if key.startswith("slots."):
+                setattr(*targets[key], value)
 
     for k, change in enumerate(args.compare):
         targets = {key: (slots, key[6:]) if key.startswith("slots.") else (engine.options, key) for key in change}
@@ -648,6 +651,10 @@ def main() -> None:
             print(f"{label:<34}{q['p50_ms']:>12.1f}{q['p95_ms']:>8.1f}"
                   f"  ({100 * q['under_2ms_share']:.0f} % admitted within 2 ms)")
 
+    def print_gaps(label: str, r: dict) -> None:
+        if gap_line(r):
+            print(f"{label:<34}  {gap_line(r)}")
+
     def print_steady(label: str, r: dict) -> None:
         print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill, "
               f"{r.get('prefill_graph_passes', 0)} of them replayed, {r.get('mixed_passes', 0)} mixed)")
@@ -655,8 +662,7 @@ def main() -> None:
             w = r["full_window"]
             print(f"{'    while all 64 were in flight':<34}{w['output_tok_s']:>12.0f}  ({w['start_s']:.1f}-{w['end_s']:.1f} s)")
         print(f"{'    TTFT p95 / p50 (ms)':<34}{r['ttft_p95_ms']:>12.1f}{r['ttft_p50_ms']:>8.1f}")
-        if gap_line(r):
-            print(f"{'    GPU between passes':<34}  {gap_line(r)}")
+        print_gaps("    GPU between passes", r)
 
     if "concurrency_64_steady" in res:
         print_steady(f"  {args.steady_rounds} requests per stream", res["concurrency_64_steady"])
@@ -676,8 +682,7 @@ def main() -> None:
     for key, label in (("concurrency_32", "32"), ("concurrency_64", "64"), ("concurrency_64_steady", "64 steady")):
         print_queue(f"engine queue at {label}: p50 / p95 ms", res.get(key, {}))
     for key, label in (("concurrency_32", "32"), ("concurrency_64", "64")):
-        if gap_line(res.get(key, {})):
-            print(f"{f'GPU between passes at {label}':<34}  {gap_line(res[key])}")
+        print_gaps(f"GPU between passes at {label}", res.get(key, {}))
     for change in args.compare:
         print(f"with {compare_tag(change)}:")
         for conc in (32, 64):
@@ -687,8 +692,7 @@ def main() -> None:
             print(f"{f'  forward / prefill / replayed / mixed':<34}{r['forward_passes']:>12d}{r['prefill_passes']:>8d}"
                   f"{r.get('prefill_graph_passes', 0):>8d}{r.get('mixed_passes', 0):>8d}")
             print_queue("  engine queue: p50 / p95 ms", r)
-            if gap_line(r):
-                print(f"{'  GPU between passes':<34}  {gap_line(r)}")
+            print_gaps("  GPU between passes", r)
         if f"concurrency_64_steady_{compare_tag(change)}" in res:
             r = res[f"concurrency_64_steady_{compare_tag(change)}"]
             print_steady(f"  64, {args.steady_rounds} per stream: tok/s", r)
