@@ -48,3 +48,23 @@ def test_a_cache_too_big_to_come_back_is_not_written_and_no_parts_is_a_cold_star
     assert unpack(tmp_path / "out", tmp_path / "elsewhere") == 0 and not (tmp_path / "elsewhere").exists()
     with pytest.raises(ValueError, match="no Inductor cache"):
         pack(tmp_path / "missing", tmp_path / "out")
+
+
+@pytest.mark.parametrize("xz_binary", [True, False], ids=["xz-binary", "python-lzma"])
+def test_both_compressors_round_trip_every_file(tmp_path, monkeypatch, xz_binary):
+    import shutil
+
+    from benchmarks import inductor_cache
+
+    if xz_binary and shutil.which("xz") is None:
+        pytest.skip("no xz binary on this machine: only Python's lzma runs here")
+    if not xz_binary:
+        monkeypatch.setattr(inductor_cache.shutil, "which", lambda name: None)
+    cache = tmp_path / "cache"
+    (cache / "fxgraph" / "ab").mkdir(parents=True)
+    files = {"fxgraph/ab/entry": b"graph " * 5_000, "triton.cubin": os.urandom(30_000)}
+    for name, data in files.items():
+        (cache / name).write_bytes(data)
+    pack(cache, tmp_path / "out", part_mib=0.01)
+    assert unpack(tmp_path / "out", tmp_path / "back") == len(files)
+    assert {n: (tmp_path / "back" / n).read_bytes() for n in files} == files
