@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from serve_app import gcpause  # noqa: E402
 from benchmarks.gpu_engine import (  # noqa: E402
     ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, _options, bench_options, compare_tag, concurrent_load, gap_line,
     prompt_draw)
@@ -98,13 +100,19 @@ async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) 
 
 
 class ClientLag:
-    """How late this client's own event loop wakes from a 1 ms sleep, and the share of a core its process
-    uses, over one load: what the client adds to the TTFT it measures (one Python process drives every
-    stream), so the stack is not charged for it."""
+    """How late this client's own event loop wakes from a 1 ms sleep, the share of a core its process
+    uses and its own garbage-collector pauses, over one load: what the client adds to the TTFT it measures
+    (one Python process drives every stream), so the stack is not charged for it.
+
+    Entering collects and freezes what the process holds so far (Ray's driver, earlier loads' records), as
+    gpu_engine.py does once and Ray Serve does in each replica: on machines AD, AE and AF the sixth load of
+    every run (the second set's 64 x 10) had the client's loop stall for 187-222 ms once, which a full
+    collection of a growing heap explains, and then every stream in flight read its token that late."""
 
     def __init__(self):
         self._lags_s: list[float] = []
         self._task = None
+        self._gc = None
 
     async def _tick(self) -> None:
         while True:
@@ -113,6 +121,10 @@ class ClientLag:
             self._lags_s.append(time.perf_counter() - t - 0.001)
 
     def __enter__(self):
+        gc.collect()
+        gc.freeze()
+        self._gc = gcpause.GcPauses()  # this load's own collections
+        gc.callbacks.append(self._gc.callback)
         self._lags_s.clear()
         self._cpu0, self._t0 = time.process_time(), time.perf_counter()
         self._task = asyncio.get_running_loop().create_task(self._tick())
@@ -120,10 +132,13 @@ class ClientLag:
 
     def __exit__(self, *exc) -> None:
         self._task.cancel()
+        gc.callbacks.remove(self._gc.callback)
         self.summary = {
             "cpu_share": (time.process_time() - self._cpu0) / max(1e-9, time.perf_counter() - self._t0),
             **{f"lag_p{q}_ms": 1000 * percentile(self._lags_s, q) for q in (50, 99)},
             "lag_max_ms": 1000 * max(self._lags_s, default=0.0),
+            "gc_collections": list(self._gc.count),
+            "gc_pause_max_ms": list(self._gc.max_ms),
         }
 
 
@@ -318,6 +333,14 @@ def with_compare(res: dict, tag: str) -> dict:
     return {**res, **{k[: -len(suffix)]: v for k, v in res.items() if k.endswith(suffix)}}
 
 
+def client_gc_text(cl: dict) -> str:
+    """The client's full collections in one load, where the file records them (files before ClientLag's
+    collect-and-freeze do not)."""
+    if "gc_collections" not in cl:
+        return ""
+    return f"; its full collections {cl['gc_collections'][2]}, longest {cl['gc_pause_max_ms'][2]:.1f} ms"
+
+
 def print_loads(res: dict, alone: dict | None, args) -> None:
     """The rows of each load: the stack's figures against the engine alone's."""
     for key, _, _, at in loads(args):
@@ -345,7 +368,8 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
         if c.get("client"):
             cl = c["client"]
             print(f"  the client's own loop: late by p50 / p99 / max {cl['lag_p50_ms']:.2f} / {cl['lag_p99_ms']:.2f} / "
-                  f"{cl['lag_max_ms']:.1f} ms, {100 * cl['cpu_share']:.0f} % of a core")
+                  f"{cl['lag_max_ms']:.1f} ms, {100 * cl['cpu_share']:.0f} % of a core"
+                  + client_gc_text(cl))
         if c["failed"]:
             print(f"  {c['failed']} requests failed")
         legs = c.get("first_token_legs")

@@ -167,6 +167,33 @@ def test_the_client_lag_counts_a_blocked_loop():
     assert blocked["cpu_share"] > idle["cpu_share"]
 
 
+def test_the_client_lag_freezes_what_came_before_and_counts_its_loads_own_full_collections():
+    import asyncio
+    import gc
+
+    from benchmarks.gpu_stack import ClientLag
+
+    async def load(collect: bool) -> dict:
+        with ClientLag() as lag:
+            frozen = gc.get_freeze_count()
+            if collect:
+                gc.collect()  # what a growing heap sets off in a long load
+            await asyncio.sleep(0.01)
+        return {**lag.summary, "frozen": frozen}
+
+    held = [[i] for i in range(20_000)]  # an earlier load's records, tracked by the collector
+    callbacks, frozen_before = len(gc.callbacks), gc.get_freeze_count()
+    try:
+        quiet = asyncio.run(load(False))
+        collected = asyncio.run(load(True))
+    finally:
+        gc.unfreeze()
+    assert quiet["frozen"] - frozen_before >= len(held)  # entering froze them: a full collection in the load skips them
+    assert quiet["gc_collections"][2] == 0
+    assert collected["gc_collections"][2] == 1 and collected["gc_pause_max_ms"][2] > 0
+    assert len(gc.callbacks) == callbacks  # each load's recorder goes with it
+
+
 def test_each_stack_arm_names_its_file_and_the_first_runs_keep_their_names():
     from benchmarks.gpu_stack import arm_suffix
 
