@@ -146,7 +146,7 @@ class HFEngineOptions(StrictModel):
         "runs 67-69); so off unless long prompts stall the streams.",
     )
     launch_lead_ms: float | None = Field(
-        2.0, ge=0.0, le=1000.0,
+        1.0, ge=0.0, le=1000.0,
         description="CUDA-graph decode: launch the next pass this many ms before the pass the GPU runs is "
         "predicted to end (from the same kind of pass measured earlier), instead of right after the step "
         "before it is handed out, so a request that answers that step still makes the next pass; null: "
@@ -155,9 +155,12 @@ class HFEngineOptions(StrictModel):
         "on one machine, against null: the engine in its own process (as a GPU replica runs it) TTFT p50 "
         "32.5 -> 22.3 ms at 32 concurrent and 61.3 -> 52.0 at 64 x 10, 5,004 -> 5,099 tok/s; through the "
         "stack 38.3 -> 34.3 and 72.9 -> 65.9 ms, 4,971 -> 5,071 tok/s; the engine inline 27.9 -> 22.8 and "
-        "51.2 -> 51.4 ms, 5,068 -> 5,034 tok/s (docs/gpu_notes.md runs 82-85). Shorter leads (runs 86-89): "
-        "1 ms did not beat 2 at every load alone or through the stack; 0.5 ms left the GPU idle between passes "
-        "2.5 % of the time against 1.5 % (the engine's gpu_gap_total_ms).",
+        "51.2 -> 51.4 ms, 5,068 -> 5,034 tok/s (docs/gpu_notes.md runs 82-85; those ran a 2 ms lead). 1 ms against "
+        "2 (runs 86-93, three machines, both orders, changed on the live engine or replica): through the stack "
+        "TTFT p50 lower by 0.4-1.6 ms at 32 concurrent and 1.5-3.3 ms at 64 x 3 in every run, at 64 x 10 "
+        "-11 to +8 ms, tok/s equal within 0.3 %; the engine alone no different beyond its spread; the GPU idle "
+        "between passes the same (~2 % of a load). 0.5 ms doubled the late launches (2.5 % idle against 1.5 "
+        "% between pipelined passes, the engine's gpu_gap_total_ms).",
     )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
