@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from serve_app import gcpause  # noqa: E402
 from benchmarks.gpu_engine import (  # noqa: E402
     ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, _options, bench_options, compare_tag, concurrent_load, gap_line,
-    prompt_draw)
+    prompt_draw, think_line)
 from benchmarks.loadgen import (  # noqa: E402
     add_engine_process_arg,
     add_http_proxy_arg,
@@ -175,7 +175,8 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None, start
             t0_ns = time.time_ns()
             with ClientLag() as lag:
                 out[key] = await concurrent_load(
-                    lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds)
+                    lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds,
+                    think_ms=args.think_ms)
             out[key]["window_ns"] = [t0_ns, time.time_ns()]
             out[key]["client"] = lag.summary
             await asyncio.sleep(0.2)  # an engine in its own process sends its counters with its outputs, <= 50 ms
@@ -347,7 +348,9 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
         c = res[key]
         a = (alone or {}).get(key, {})
         # the two runs compare only on one arrival schedule (engine files before 2026-12-03 lack the field)
-        same = a.get("first_wave_last_arrival_s") == c.get("first_wave_last_arrival_s")
+        # and on one pause between requests (files before --think-ms have none: no pause)
+        same = (a.get("first_wave_last_arrival_s") == c.get("first_wave_last_arrival_s")
+                and a.get("think_ms", 0.0) == c.get("think_ms", 0.0))
         ratio = (f"  {100 * c['output_tok_s'] / a['output_tok_s']:.0f} % of engine (>= 95 %)"
                  + ("" if same else "; other arrival schedule: not comparable")) if a else ""
         print(f"{f'output tok/s {at}':<34}{c['output_tok_s']:>10.0f}{a.get('output_tok_s', float('nan')):>10.0f}"
@@ -394,6 +397,8 @@ def print_report(res: dict, alone: dict | None, args) -> None:
     if (alone or {}).get("engine_process") == "separate":
         print("engine column: the engine alone in a process of its own, driven from the benchmark's (gpu_engine.py "
               "--engine-process separate)")
+    if think_line(res):
+        print(think_line(res))
     if (res.get("warm_up") or {}).get("compile_cache"):  # whether the replica's compiles found the disk caches warm
         print(f"compile caches at ready: {res['warm_up']['compile_cache']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
@@ -457,6 +462,9 @@ def main() -> None:
                               "(each with every --http-proxy)", default="auto")
     add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
     add_user_code_loop_arg(p, many=True)  # several: each with every other arm
+    p.add_argument("--think-ms", type=float, default=0.0,
+                   help="as gpu_engine.py's: each stream's mean pause before each request after its first "
+                        "(0: the closed loop, the targets' load)")
     p.add_argument("--steady-rounds", type=int, default=0,
                    help="requests per stream of a longer 64-concurrent load after the others (0: none), "
                         "against gpu_engine.py's of the same name")

@@ -265,3 +265,44 @@ def test_the_queue_report_reads_the_engine_queue_from_per_request_records(monkey
     # the loads under a --compare change follow the defaults' (the eighteenth session's launch lead)
     assert "concurrency_64_steady                                61.3      30.2  106.3     2%      38.4" in lead
     assert "concurrency_64_steady_launch_lead_ms=2               52.0      15.4  103.2     2%      37.2" in lead
+
+
+def test_think_times_are_the_same_in_both_benchmarks_and_average_their_mean():
+    from benchmarks.gpu_engine import think_times
+
+    assert think_times(4, 3, 0.0) == [[0.0, 0.0]] * 4  # the closed loop: no pause
+    pauses = think_times(64, 10, 20.0)
+    assert pauses == think_times(64, 10, 20.0)  # drawn per stream from a fixed seed
+    assert len(pauses) == 64 and all(len(p) == 9 for p in pauses)
+    flat = [x for p in pauses for x in p]
+    assert 0.016 < sum(flat) / len(flat) < 0.024  # 576 exponential draws of mean 20 ms
+    assert len({p[0] for p in pauses}) == 64  # streams pause independently
+
+
+def test_a_stream_that_thinks_sends_its_next_request_after_its_pause():
+    import asyncio
+
+    from benchmarks.gpu_engine import concurrent_load, prompt_draw, think_line, think_times
+
+    async def instant(i, prompt):  # the send: answers at once, so a start time is arrival plus pauses
+        return {"ttft_s": 0.001, "ttft_text_s": 0.001, "e2e_s": 0.002, "tokens": 2}
+
+    def starts(think_ms: float) -> dict:
+        prompt, rng = prompt_draw(4)
+        res = asyncio.run(concurrent_load(instant, 2, prompt, rng, rounds=3, think_ms=think_ms))
+        return res, sorted(r[0] for r in res["per_request"])
+
+    closed, closed_starts = starts(0.0)
+    thinking, thinking_starts = starts(60.0)
+    assert thinking["think_ms"] == 60.0 and closed["think_ms"] == 0.0
+    # stream 0 starts at 0 s, stream 1 at 2 s (the first wave's span): stream 0's three requests start
+    # before 1 s, its later two each after its pause
+    def stream0(xs):
+        return [x for x in xs if x < 1.0]
+
+    pause0 = think_times(2, 3, 60.0)[0]
+    t = stream0(thinking_starts)
+    assert len(t) == 3 and t[1] - t[0] >= pause0[0] and t[2] - t[1] >= pause0[1] and min(pause0) > 0.001
+    c = stream0(closed_starts)
+    assert c[2] - c[0] < pause0[0]  # the closed loop: back to back
+    assert "pause 60 ms" in think_line({"concurrency_2": thinking}) and think_line({"concurrency_2": closed}) == ""
