@@ -93,6 +93,14 @@ class _InFlight:
     start_event: object | None = None  # recorded before its kernels; None without CUDA
 
 
+def _gumbel_perturbed(scaled):
+    """``scaled`` (logits / T) plus standard Gumbel noise: its argmax is a draw from softmax(scaled) (the
+    Gumbel-max trick), on the device, with no host sync, for the decode rows and a mixed pass's first token."""
+    import torch
+
+    return scaled + -torch.empty_like(scaled).exponential_().log()
+
+
 def _deliver_all(items) -> None:
     for q, item in items:
         q.put_nowait(item)
@@ -786,9 +794,7 @@ class HFEngine(HFTokenization, Engine):
                 greedy[s.slot] = False
             temps = temps.to(self.device, non_blocking=True).unsqueeze(1)
             greedy = greedy.to(self.device, non_blocking=True).unsqueeze(1)
-            # Gumbel-max: argmax(logits / T + G) is a draw from softmax(logits / T)
-            gumbel = -torch.empty_like(logits).exponential_().log()
-            chosen = torch.where(greedy, logits, logits / temps + gumbel).argmax(dim=-1)
+            chosen = torch.where(greedy, logits, _gumbel_perturbed(logits / temps)).argmax(dim=-1)
             lp = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
             self._slots.tokens[:rows].copy_(chosen)
         for s in busy:
@@ -839,9 +845,8 @@ class HFEngine(HFTokenization, Engine):
         logits = logits.float()
         lse = torch.logsumexp(logits, dim=-1)
         temperature = seq.req.sampling.temperature
-        if temperature > 0:  # Gumbel-max, as for the decode rows
-            gumbel = -torch.empty_like(logits).exponential_().log()
-            chosen = (logits / temperature + gumbel).argmax(dim=-1)
+        if temperature > 0:  # as for the decode rows
+            chosen = _gumbel_perturbed(logits / temperature).argmax(dim=-1)
         else:
             chosen = logits.argmax(dim=-1)
         lp = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse
