@@ -68,7 +68,7 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
              max_prefill_tokens: int = 2048, seed: int = 0, rows: int = 64, min_running: float = 0.5,
              arrivals: list[float] | None = None, return_delay_s: tuple[float, float] = (0.0, 0.0),
              release_at_wave_end: bool = False, prices: dict | None = None,
-             one_per_mixed: bool = False) -> dict:
+             one_per_mixed: bool = False, think_ms: float = 0.0) -> dict:
     """`return_delay_s`: a stream's next request arrives this long (uniform in the range) after its last
     one finished: the round trip through a client and the serving stack, which the engine alone lacks.
     `release_at_wave_end`: no next request before the first wave's last arrival, as the benchmarks'
@@ -76,11 +76,16 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
     `prices`: pass times (ms) by rows or prompts, {"step", "prefill"[, "mixed"]}; with "mixed", one admitted
     prompt and the running rows' decode step are one pass (MIXED_PRICES). Default: STEP_MS and PREFILL_MS.
     `one_per_mixed`: with mixed prices, admit one prompt per pass while rows decode (a variant of the loop
-    the engine does not have: there a pass takes every waiting prompt up to max_prefill_tokens)."""
+    the engine does not have: there a pass takes every waiting prompt up to max_prefill_tokens).
+    `think_ms`: each stream also pauses before each request after its first, as gpu_engine.py's --think-ms
+    (the same pauses, benchmarks.gpu_engine.think_times)."""
+    from benchmarks.gpu_engine import think_times
+
     step_ms = (prices or {}).get("step", STEP_MS)
     prefill_ms = (prices or {}).get("prefill", PREFILL_MS)
     mixed_ms = (prices or {}).get("mixed")
     delay_rng = random.Random(1)
+    pauses = think_times(conc, rounds, think_ms)
     if arrivals is None:
         # the hold figures in docs/gpu_notes.md runs 32 and 36 came from this wave
         arrivals = _old_wave(random.Random(seed), conc)
@@ -131,7 +136,7 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
                 del running[i]
                 left[i] -= 1
                 if left[i]:
-                    nxt = now + delay_rng.uniform(*return_delay_s)
+                    nxt = now + delay_rng.uniform(*return_delay_s) + pauses[i][rounds - left[i] - 1]
                     if release_at_wave_end and nxt < arrivals[-1]:
                         held_to_wave_end += 1
                         nxt = arrivals[-1]
@@ -164,33 +169,36 @@ def old_first_waves(prompts_before: int, prompt: int = 512) -> dict[int, list[fl
 
 
 def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: list[int],
-                        mixed: bool = False, steady_rounds: int = 10, one_per_mixed: bool = False) -> None:
+                        mixed: bool = False, steady_rounds: int = 10, one_per_mixed: bool = False,
+                        think_ms: list[float] = (0.0,)) -> None:
     """What holding prompts does to TTFT when the next requests come back through a stack (jittered).
     `mixed`: priced as the engine with mixed passes (MIXED_PRICES), with a `steady_rounds` load too."""
     from benchmarks.gpu_engine import first_wave_arrivals
 
     loads = [(32, 3), (64, 3)] + ([(64, steady_rounds)] if mixed and steady_rounds else [])
     rows = []
-    for lo, hi in delays_ms:
-        for conc, rounds in loads:
-            for w in waits:
-                r = simulate(conc, rounds, w, arrivals=first_wave_arrivals(conc), return_delay_s=(lo / 1000, hi / 1000),
-                             prices=MIXED_PRICES if mixed else None, one_per_mixed=one_per_mixed)
-                rows.append({"return_delay_ms": [lo, hi], **r})
+    for think in think_ms:
+        for lo, hi in delays_ms:
+            for conc, rounds in loads:
+                for w in waits:
+                    r = simulate(conc, rounds, w, arrivals=first_wave_arrivals(conc),
+                                 return_delay_s=(lo / 1000, hi / 1000), prices=MIXED_PRICES if mixed else None,
+                                 one_per_mixed=one_per_mixed, think_ms=think)
+                    rows.append({"return_delay_ms": [lo, hi], "think_ms": think, **r})
     name = ("prefill_hold_sim_return_delay" + ("_mixed" if mixed else "") + ("_one_per_pass" if one_per_mixed else "")
-            + ".json")
+            + ("_think" if any(think_ms) else "") + ".json")
     (out / name).write_text(json.dumps(rows, indent=2))
     print(f"model (not a measurement), min running 0.5, today's first wave, "
           f"{'mixed passes priced by runs 71 and 73' if mixed else 'no mixed passes'}"
           f"{', one prompt per mixed pass' if one_per_mixed else ''}")
-    print(f"{'return delay ms':<16}{'load':>8}{'wait':>5}{'tok/s':>8}{'in flight':>10}{'TTFT p50':>10}{'p95':>7}"
-          f"{'prefill':>8}")
+    print(f"{'think ms':>8}  {'return delay ms':<16}{'load':>8}{'wait':>5}{'tok/s':>8}{'in flight':>10}"
+          f"{'TTFT p50':>10}{'p95':>7}{'prefill':>8}")
     for r in rows:
         lo, hi = r["return_delay_ms"]
         fw = f"{r['full_window_tok_s']:.0f}" if r["full_window_tok_s"] else "-"
         load = f"{r['conc']}x{r['rounds']}"
-        print(f"{f'{lo:g}-{hi:g}':<16}{load:>8}{r['wait_steps']:>5}{r['output_tok_s']:>8.0f}{fw:>10}"
-              f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
+        print(f"{r['think_ms']:>8g}  {f'{lo:g}-{hi:g}':<16}{load:>8}{r['wait_steps']:>5}{r['output_tok_s']:>8.0f}"
+              f"{fw:>10}{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>7.0f}{r['prefill_passes']:>8}")
 
 
 def mixed_holds_report(out: Path, waits: list[int], min_running: list[float], max_prefill_tokens: list[int],
@@ -262,6 +270,9 @@ def main() -> None:
                         "--max-prefill-tokens")
     p.add_argument("--max-prefill-tokens", default="2048",
                    help="with --mixed alone: the engine's max_prefill_tokens values to model (comma-separated)")
+    p.add_argument("--think-ms", default="0",
+                   help="with --return-delay-ms: each stream's mean pause before each request after its first, "
+                        "as gpu_engine.py's --think-ms (comma-separated values, each a set of rows)")
     p.add_argument("--one-per-mixed", action="store_true",
                    help="with --mixed: model a loop that admits one prompt per pass while rows decode")
     args = p.parse_args()
@@ -278,7 +289,8 @@ def main() -> None:
     if args.return_delay_ms:
         return_delay_report(out, [tuple(float(x) for x in d.split(",")) for d in args.return_delay_ms],
                             [int(x) for x in args.waits.split(",")], mixed=args.mixed,
-                            steady_rounds=args.steady_rounds, one_per_mixed=args.one_per_mixed)
+                            steady_rounds=args.steady_rounds, one_per_mixed=args.one_per_mixed,
+                            think_ms=[float(x) for x in args.think_ms.split(",")])
         return
     if args.mixed:
         mixed_holds_report(out, [int(x) for x in args.waits.split(",")],

@@ -202,6 +202,21 @@ def test_each_stack_arm_names_its_file_and_the_first_runs_keep_their_names():
     assert arm_suffix("haproxy", "auto", "direct", "shared") == "_haproxy_auto_direct_shared"
 
 
+def test_the_loop_model_sends_a_thinking_streams_next_request_after_its_pause():
+    from benchmarks.gpu_engine import think_times
+    from benchmarks.prefill_hold_sim import simulate
+
+    # one stream, two requests: a 10 ms prefill and 1 ms steps, 4 tokens each (13 ms a request); the second
+    # request comes back after the stream's pause, so the run ends that much later
+    prices = {"step": {1: 1.0, 64: 1.0}, "prefill": {1: 10.0, 4: 10.0, 16: 10.0}}
+    common = dict(conc=1, rounds=2, wait_steps=0, output=4, arrivals=[0.0], prices=prices)
+    closed = simulate(**common)
+    pause_s = think_times(1, 2, 50.0)[0][0]
+    thinking = simulate(**common, think_ms=50.0)
+    assert round(8 / closed["output_tok_s"], 6) == 0.026
+    assert round(8 / thinking["output_tok_s"], 6) == round(0.026 + pause_s, 6)
+
+
 def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
     from benchmarks.prefill_hold_sim import simulate
 
