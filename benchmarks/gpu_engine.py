@@ -439,8 +439,8 @@ def think_times(conc: int, rounds: int, mean_ms: float) -> list[list[float]]:
     admitted within 2 ms at 64 x 10, run 79) and the engine alone is measured at its luckiest; through
     a process or HTTP it misses that boundary and waits a pass. Clients that pause, as people and
     most programs do, arrive at no particular point of a pass in either case; the stack's added first
-    token is then its path alone (the loop model put the pause's own cost at +10-16 ms of the engine's
-    TTFT p50 at 64 x 10, docs/gpu_notes.md run 75)."""
+    token is then its path alone (the loop model: 20 ms pauses add ~6 ms to the engine's own TTFT p50 at
+    64 x 10 and leave ~3 ms of the stack's way back to the loop, docs/gpu_notes.md run 94)."""
     if mean_ms <= 0:
         return [[0.0] * max(0, rounds - 1) for _ in range(conc)]
     out = []
