@@ -14,77 +14,23 @@ before the engine starts. The cache's keys hold the GPU, CUDA, Triton and torch
 versions, so a machine of another image misses it and compiles as before.
 `--cache` defaults to $TORCHINDUCTOR_CACHE_DIR. Nothing is written if the
 packed cache is over --max-mib: it would not come back, or not fit a call.
+The 7B engine's (machine AE): 72 MiB, one 4.1-MiB part; a fresh machine
+seeded with it was ready in 148 s (docs/gpu_notes.md run 92). The packing
+is cluster/compile_cache.py's, which seeds new GPU nodes the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
-PART_NAME = "inductor-cache.tar.xz.part"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-
-def _write_tar_xz(cache: Path, whole: Path) -> None:
-    # The xz binary, where there is one, compresses on every core: the 7B engine's 72 MiB cache took 10 s
-    # with 28 s of CPU on the H200 host (machine AE), about what Python's lzma, on one core, would take
-    # at the end of a call that may have seconds to spare.
-    xz = shutil.which("xz")
-    if xz is None:
-        with tarfile.open(whole, "w:xz") as tar:
-            tar.add(cache, arcname=".")
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        plain = Path(tmp) / "cache.tar"
-        with tarfile.open(plain, "w") as tar:
-            tar.add(cache, arcname=".")
-        with whole.open("wb") as f:
-            subprocess.run([xz, "-T0", "-6", "-c", str(plain)], stdout=f, check=True)
-
-
-def pack(cache: Path, out: Path, part_mib: float = 15.0, max_mib: float = 56.0) -> list[Path]:
-    """The cache folder as xz-compressed tar parts ``out/inductor-cache.tar.xz.partNN`` of at most ``part_mib``
-    MiB each; none if the whole is over ``max_mib`` (then a ValueError says how big it is)."""
-    if not cache.is_dir():
-        raise ValueError(f"no Inductor cache at {cache}")
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        whole = Path(tmp) / "cache.tar.xz"
-        _write_tar_xz(cache, whole)
-        size = whole.stat().st_size
-        if size > max_mib * 2**20:
-            raise ValueError(f"the packed cache is {size / 2**20:.1f} MiB, over {max_mib:g}: not written")
-        part_bytes = int(part_mib * 2**20)
-        if part_bytes < 1:
-            raise ValueError(f"--part-mib must be positive, got {part_mib}")
-        parts = []
-        with whole.open("rb") as f:
-            while chunk := f.read(part_bytes):
-                parts.append(out / f"{PART_NAME}{len(parts):02d}")
-                parts[-1].write_bytes(chunk)
-    return parts
-
-
-def unpack(parts_dir: Path, cache: Path) -> int:
-    """The parts in ``parts_dir`` joined in order and unpacked into ``cache``; returns how many files it holds
-    (0, and nothing done, where there are no parts: the first machine of a session compiles cold)."""
-    parts = sorted(parts_dir.glob(f"{PART_NAME}*"))
-    if not parts:
-        return 0
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        whole = Path(tmp) / "cache.tar.xz"
-        with whole.open("wb") as f:
-            for part in parts:
-                f.write(part.read_bytes())
-        with tarfile.open(whole, "r:xz") as tar:
-            tar.extractall(cache, filter="data")  # paths stay inside the cache folder
-            return sum(1 for m in tar.getmembers() if m.isfile())
+# the packing itself is the cluster's (new GPU nodes seeded from it): one implementation for both
+from cluster.compile_cache import cache_mib, pack, unpack  # noqa: E402
 
 
 def main() -> None:
@@ -103,8 +49,7 @@ def main() -> None:
     try:
         if args.cmd == "pack":
             parts = pack(Path(args.cache), Path(args.out), args.part_mib, args.max_mib)
-            raw_mib = sum(f.stat().st_size for f in Path(args.cache).rglob("*") if f.is_file()) / 2**20
-            print(f"packed {args.cache} ({raw_mib:.1f} MiB) into {len(parts)} parts, "
+            print(f"packed {args.cache} ({cache_mib(Path(args.cache)):.1f} MiB) into {len(parts)} parts, "
                   f"{sum(x.stat().st_size for x in parts) / 2**20:.1f} MiB: {', '.join(x.name for x in parts)}")
         else:
             n = unpack(Path(args.parts), Path(args.cache))
