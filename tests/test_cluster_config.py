@@ -89,6 +89,17 @@ def test_preflight_reports_the_http_data_path_and_finds_the_haproxy_binary():
     assert any("no HAProxy binary" in m and "/nonexistent/haproxy" in m for m in bad.errors)
 
 
+def test_preflight_says_whether_this_nodes_compile_cache_holds_anything(tmp_path):
+    cache = tmp_path / "inductor"
+    assert any("TORCHINDUCTOR_CACHE_DIR unset" in m for m in preflight({}).warnings)
+    empty = preflight({"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    assert any(f"compile cache {cache} is empty" in m and "compile-cache unpack" in m for m in empty.warnings)
+    (cache / "fxgraph").mkdir(parents=True)
+    (cache / "fxgraph" / "entry").write_bytes(b"k" * 3 * 2**20)
+    seeded = preflight({"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    assert f"compile cache {cache}: 3.0 MiB" in seeded.ok and not any("compile cache" in m for m in seeded.warnings)
+
+
 def test_kuberay_manifest_embeds_the_shipped_app_config():
     docs = yaml.safe_load((ROOT / "deploy" / "k8s" / "rayservice.yaml").read_text())
     assert docs["apiVersion"] == "ray.io/v1" and docs["kind"] == "RayService"
