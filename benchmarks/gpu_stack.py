@@ -397,8 +397,9 @@ def print_report(res: dict, alone: dict | None, args) -> None:
     if (alone or {}).get("engine_process") == "separate":
         print("engine column: the engine alone in a process of its own, driven from the benchmark's (gpu_engine.py "
               "--engine-process separate)")
-    if think_line(res):
-        print(think_line(res))
+    think = think_line(res)
+    if think:
+        print(think)
     if (res.get("warm_up") or {}).get("compile_cache"):  # whether the replica's compiles found the disk caches warm
         print(f"compile caches at ready: {res['warm_up']['compile_cache']}")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
@@ -483,8 +484,7 @@ def main() -> None:
     if args.report:
         alone = json.loads(Path(args.engine_json).read_text()) if args.engine_json else None
         if alone and args.engine_compare:
-            suffix = f"_{args.engine_compare}"
-            alone = {**alone, **{k[: -len(suffix)]: v for k, v in alone.items() if k.endswith(suffix)}}
+            alone = with_compare(alone, args.engine_compare)
         for f in args.report:
             res = json.loads(Path(f).read_text())
             res.setdefault("engine_process_resolved", engine_process_resolved(res))  # a partial file lacks it

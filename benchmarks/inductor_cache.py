@@ -29,13 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# the packing itself is the cluster's (new GPU nodes seeded from it): one implementation for both
-from cluster.compile_cache import cache_mib, pack, unpack  # noqa: E402
+# the packing and its report are the cluster's (`seekserve cluster compile-cache`, which seeds new GPU nodes);
+# this script only sets the device calls' defaults: parts that come back from $OUT, a cache that fits a call
+from serve_app.cli import cmd_cluster_compile_cache  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="action", required=True)
     default_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     pk = sub.add_parser("pack", help="write the cache as parts that come back from $OUT")
     pk.add_argument("--cache", default=default_cache, required=default_cache is None)
@@ -45,18 +46,7 @@ def main() -> None:
     up = sub.add_parser("unpack", help="put carried parts back into the cache folder")
     up.add_argument("--parts", required=True)
     up.add_argument("--cache", default=default_cache, required=default_cache is None)
-    args = p.parse_args()
-    try:
-        if args.cmd == "pack":
-            parts = pack(Path(args.cache), Path(args.out), args.part_mib, args.max_mib)
-            print(f"packed {args.cache} ({cache_mib(Path(args.cache)):.1f} MiB) into {len(parts)} parts, "
-                  f"{sum(x.stat().st_size for x in parts) / 2**20:.1f} MiB: {', '.join(x.name for x in parts)}")
-        else:
-            n = unpack(Path(args.parts), Path(args.cache))
-            print(f"unpacked {n} files into {args.cache}" if n else f"no cache parts in {args.parts}: a cold compile")
-    except ValueError as e:
-        print(f"inductor_cache: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cmd_cluster_compile_cache(p.parse_args()))
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def cmd_cluster_compile_cache(args) -> int:
     cache = Path(os.path.expanduser(args.cache))
     try:
         if args.action == "pack":
-            parts = pack(cache, Path(args.out), args.part_mib)
+            parts = pack(cache, Path(args.out), args.part_mib, args.max_mib)
             print(f"packed {cache} ({cache_mib(cache):.1f} MiB) into {len(parts)} part(s) in {args.out}, "
                   f"{sum(x.stat().st_size for x in parts) / 2**20:.1f} MiB")
         else:
@@ -201,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--out", default="configs/compile-cache", help="pack: where the parts go (the folder "
                     "cluster.yaml mounts on every node with configs/)")
     cc.add_argument("--part-mib", type=float, default=64.0, help="pack: the size of each part")
+    cc.add_argument("--max-mib", type=float, default=None, help="pack: write nothing if the packed cache is larger")
     cc.add_argument("--parts", default="~/seekserve/configs/compile-cache",
                     help="unpack: the folder of parts (where cluster.yaml mounts configs/compile-cache)")
     cc.set_defaults(func=cmd_cluster_compile_cache)

@@ -159,8 +159,8 @@ class HFEngineOptions(StrictModel):
         "2 (runs 86-93, three machines, both orders, changed on the live engine or replica): through the stack "
         "TTFT p50 lower by 0.4-1.6 ms at 32 concurrent and 1.5-3.3 ms at 64 x 3 in every run, at 64 x 10 "
         "-11 to +8 ms, tok/s within 0.3 % at 64 x 10 and 1.4 % at 32, either way; the engine alone no "
-        "different beyond its spread; the GPU idle between passes the same (~2 % of a load). 0.5 ms doubled the late launches (2.5 % idle against 1.5 "
-        "% between pipelined passes, the engine's gpu_gap_total_ms).",
+        "different beyond its spread; the GPU idle between passes the same (~2 % of a load). 0.5 ms doubled "
+        "the late launches (2.5 % idle against 1.5 % between pipelined passes, the engine's gpu_gap_total_ms).",
     )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
