@@ -303,6 +303,88 @@ async def test_prompts_prefilled_inside_the_running_rows_decode_step_change_no_a
         await eng.shutdown()
 
 
+class HandOutLog:
+    """Sinks for Engine.submit that write every request's chunks into one list of hand-outs, in the order the
+    engine hands them out: one hand-out (the engine's one wake-up of this event loop per pass) is a list of
+    (request id, tokens generated so far)."""
+
+    def __init__(self):
+        self.handouts: list[list[tuple[str, int]]] = []
+        self.ended: set[str] = set()
+        self._open = False
+
+    def _close(self):
+        self._open = False
+
+    def sink(self, rid: str):
+        log = self
+
+        class _Sink:
+            def put_nowait(self, item):
+                if isinstance(item, BaseException):
+                    raise AssertionError(f"{rid} failed: {item!r}")
+                if not log._open:
+                    # a hand-out's chunks are put in one callback; this runs right after it
+                    log._open = True
+                    log.handouts.append([])
+                    asyncio.get_running_loop().call_soon(log._close)
+                log.handouts[-1].append((rid, item.num_generated_tokens))
+                if item.finish_reason is not None:
+                    log.ended.add(rid)
+
+        return _Sink()
+
+    def with_item(self, item) -> list[tuple[str, int]]:
+        return next(h for h in self.handouts if item in h)
+
+
+async def test_a_mixed_pass_hands_out_its_first_token_before_its_rows(embedded_model_dir):
+    # every hop from the engine to the client (the engine thread, the engine process's relay, the replica, the
+    # HTTP stream) takes a pass's chunks in the order the engine hands them out; a new prompt's first token
+    # behind the 63 rows of its pass would wait for their work at each hop, so it goes first
+    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512, "kv_cache": "static"})
+    await eng.start()
+    try:
+        eng._slots.mixed_graph_tokens = 128
+        eng._slots.capture_mixed_graphs()
+        log = HandOutLog()
+        ids = eng.encode_chat([{"role": "user", "content": "Name three colours."}])
+        loop = asyncio.get_running_loop()
+
+        def submit(rid, **sampling):
+            eng.submit(GenerationRequest(rid, ids, SamplingParams(**sampling)), log.sink(rid))
+
+        async def until(rids):
+            deadline = loop.time() + 60
+            while not set(rids) <= log.ended:
+                assert loop.time() < deadline, log.handouts[-4:]
+                await asyncio.sleep(0.005)
+
+        rows = [f"row{i}" for i in range(3)]
+        for rid in rows:
+            submit(rid, temperature=1.0, max_tokens=200, ignore_eos=True)
+        while not log.handouts:
+            await asyncio.sleep(0.005)
+        mixed = eng.stats().mixed_passes
+        checked = 0
+        for i in range(3):
+            submit(f"new{i}", temperature=0, max_tokens=2)
+            await until([f"new{i}"])
+            handout = log.with_item((f"new{i}", 1))
+            if len([r for r, _ in handout if r in rows]) > len(rows):
+                continue  # the loop ran two hand-outs in one turn (a busy box): the pass is not told apart
+            assert handout[0] == (f"new{i}", 1), handout
+            assert sorted(r for r, _ in handout[1:]) == rows, handout
+            checked += 1
+        assert checked, log.handouts
+        assert eng.stats().mixed_passes == mixed + 3
+        for rid in rows:
+            await eng.abort(rid)
+        await until(rows)
+    finally:
+        await eng.shutdown()
+
+
 async def test_prompts_prefilled_in_chunks_inside_the_decode_steps_change_no_answer(embedded_model_dir):
     # chunked prefill (mixed_chunk_tokens): each prompt goes into its slot 64 tokens per mixed pass, the running
     # rows decoding in the same passes; the answers must be those of whole-prompt passes, every chunk must be one

@@ -804,8 +804,10 @@ class HFEngine(HFTokenization, Engine):
         if first is not None:
             seq, prompt_logits = first
             first_tok, first_lp = self._first_token_on_device(seq, prompt_logits)
-            # its row in the host buffers: after the step's rows
-            snapshot.append((rows, seq))
+            # its row in the host buffers: after the step's rows; handed out before them, since every hop out
+            # to the client (the engine thread, its process's relay, the replica, the HTTP stream) takes a
+            # pass's chunks in this order, and a first token behind 63 rows waits for all of their work there
+            snapshot.insert(0, (rows, seq))
             n = rows + 1
         if self._slots.device.type == "cuda":
             host_tok, host_lp = self._host[self._host_turn]
