@@ -4,11 +4,17 @@ It emits ``num_tokens`` copies of ``token_text`` per request at ``tokens_per_s``
 and tokenizes by UTF-8 bytes. It exists to measure the serving path alone
 (HTTP, Ray Serve, routing, streaming) and to drive autoscaling and overload
 tests without model cost. Its answers mean nothing.
+
+With ``step_ms`` it keeps a batched engine's time instead: one step gives every
+running request a token and hands the step's tokens out together, so the path
+meets the bursts a GPU engine's passes make (64 chunks at once at 64 streams),
+which per-request timers spread out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import AsyncIterator
 
@@ -18,6 +24,19 @@ from .base import Engine, EngineChunk, EngineStats, GenerationRequest
 from .options import NullEngineOptions
 
 _TOKEN_ID = 42
+
+
+class _Row:
+    """A request in the stepped mode (step_ms)."""
+
+    __slots__ = ("request", "queue", "n", "n_gen", "arrived_s", "queue_time_s", "gone")
+
+    def __init__(self, request: GenerationRequest, n: int):
+        self.request, self.n, self.n_gen = request, n, 0
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrived_s = time.monotonic()
+        self.queue_time_s = 0.0
+        self.gone = False  # its consumer left: dropped at the next step
 
 
 class NullEngine(Engine):
@@ -37,6 +56,11 @@ class NullEngine(Engine):
         self._aborted: set[str] = set()
         self._stats = EngineStats()
         self.load_time_s = 0.0
+        # step_ms: requests not yet admitted, the running rows (in admission order), the loop that steps them
+        self._pending: collections.deque[_Row] = collections.deque()
+        self._rows: list[_Row] = []
+        self._wake = asyncio.Event()
+        self._stepper: asyncio.Task | None = None
 
     @classmethod
     def frontend(cls, options: NullEngineOptions) -> "NullEngine":
@@ -71,6 +95,14 @@ class NullEngine(Engine):
                 f"requested {n_prompt + sp.max_tokens} tokens.",
                 param="messages",
             )
+        if self.options.step_ms > 0:
+            if (len(self._rows) >= self.options.max_num_seqs
+                    and len(self._pending) >= self.options.max_waiting_requests):
+                raise OverloadedError(
+                    f"the engine's waiting queue is full ({self.options.max_waiting_requests} requests)")
+            async for chunk in self._stepped(request, min(self.options.num_tokens, sp.max_tokens)):
+                yield chunk
+            return
         if self._slots.locked() and self._waiting >= self.options.max_waiting_requests:
             raise OverloadedError(
                 f"the engine's waiting queue is full ({self.options.max_waiting_requests} requests)"
@@ -110,6 +142,87 @@ class NullEngine(Engine):
             self._running -= 1
             self._slots.release()
 
+    async def _stepped(self, request: GenerationRequest, n: int) -> AsyncIterator[EngineChunk]:
+        row = _Row(request, n)
+        self._pending.append(row)
+        self._waiting += 1
+        self._stats.prompt_tokens += len(request.prompt_token_ids)
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.get_running_loop().create_task(self._step_loop())
+        self._wake.set()
+        done = False
+        try:
+            while True:
+                item = await row.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                row.gone = True
+
+    async def _step_loop(self) -> None:
+        """One step: admit what waits (up to max_num_seqs running), wait step_ms (the pass), hand every row a
+        token; the next step starts at once, as a GPU engine's next pass does."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._ready:
+                if not self._rows and not self._pending:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                started = loop.time()
+                admitted = []
+                while self._pending and len(self._rows) + len(admitted) < self.options.max_num_seqs:
+                    row = self._pending.popleft()
+                    self._waiting -= 1
+                    if row.gone:
+                        self._stats.aborted_requests += 1
+                        continue
+                    row.queue_time_s = started - row.arrived_s
+                    admitted.append(row)
+                running = self._rows
+                self._rows = running + admitted
+                self._running = len(self._rows)
+                await asyncio.sleep(max(0.0, started + self.options.step_ms / 1000 - loop.time()))
+                order = admitted + running if self.options.first_tokens_first else running + admitted
+                for row in order:
+                    self._hand_out(row)
+                self._rows = [r for r in self._rows if r.n_gen < r.n and not r.gone]
+                self._running = len(self._rows)
+                self._stats.forward_passes += 1
+        finally:
+            # shut down (or the loop ended): nobody steps them any more
+            err = EngineNotReadyError("engine is shutting down")
+            for row in (*self._rows, *self._pending):
+                row.queue.put_nowait(err)
+            self._rows, self._running = [], 0
+            self._waiting -= len(self._pending)
+            self._pending.clear()
+
+    def _hand_out(self, row: _Row) -> None:
+        rid = row.request.request_id
+        if row.gone:
+            self._stats.aborted_requests += 1
+            return
+        if rid in self._aborted:
+            self._aborted.discard(rid)
+            row.gone = True  # its abort chunk ends it
+            self._stats.aborted_requests += 1
+            row.queue.put_nowait(self._chunk(row.request, [], "", "abort", row.n_gen))
+            return
+        row.n_gen += 1
+        self._stats.generated_tokens += 1
+        chunk = self._chunk(row.request, [_TOKEN_ID], self.options.token_text,
+                            "length" if row.n_gen == row.n else None, row.n_gen)
+        if row.n_gen == 1:
+            chunk.queue_time_s = row.queue_time_s
+        row.queue.put_nowait(chunk)
+
     @staticmethod
     def _chunk(request, ids, text, finish, n_gen) -> EngineChunk:
         return EngineChunk(
@@ -144,3 +257,6 @@ class NullEngine(Engine):
 
     async def shutdown(self) -> None:
         self._ready = False
+        if self._stepper is not None and not self._stepper.done():
+            self._stepper.cancel()
+            await asyncio.gather(self._stepper, return_exceptions=True)

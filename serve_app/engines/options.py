@@ -211,6 +211,22 @@ class NullEngineOptions(StrictModel):
         1024, ge=0, description="Bound of the waiting queue; past it requests get 429."
     )
     max_model_len: int = Field(4096, ge=16, description="Context length it pretends to have.")
+    step_ms: float = Field(
+        0.0, ge=0.0, description="0: each request's tokens on a timer of its own (tokens_per_s). Above 0: a "
+        "batched engine's timing: one step every step_ms gives every running request one token, and the step's "
+        "tokens are handed out together, as hf's passes are, so the serving path meets their bursts; a request "
+        "that arrives waits for the next step (tokens_per_s must then be 0).")
+    first_tokens_first: bool = Field(
+        True, description="With step_ms: a step hands out the first tokens of the requests it admits before "
+        "the running rows' tokens, as hf's mixed passes do; False puts them after, to measure what the order "
+        "costs (benchmarks/handout_order.py).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "NullEngineOptions":
+        if self.step_ms > 0 and self.tokens_per_s > 0:
+            raise ValueError(f"step_ms ({self.step_ms}) and tokens_per_s ({self.tokens_per_s}) are two timings: "
+                             "set one of them")
+        return self
 
 
 class LoraAdapters(StrictModel):

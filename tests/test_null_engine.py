@@ -1,0 +1,103 @@
+"""The null engine's stepped mode (step_ms): a batched engine's timing without a model, so that benchmarks of the
+serving path meet the bursts a GPU engine's passes make."""
+
+import asyncio
+
+import pytest
+
+from serve_app.engines.base import GenerationRequest, SamplingParams
+from serve_app.engines.options import NullEngineOptions
+from serve_app.engines.registry import create_engine
+from serve_app.errors import EngineNotReadyError, OverloadedError
+
+
+class Turns:
+    """Records what each consumer gets, grouped by event-loop turn: a step's tokens, handed out together, land in
+    one turn (each consumer's wake-up is queued by the hand-out, in its order)."""
+
+    def __init__(self):
+        self.turns: list[list[tuple[str, int]]] = []
+        self._open = False
+
+    def add(self, rid: str, n_gen: int) -> None:
+        if not self._open:
+            self._open = True
+            self.turns.append([])
+            # the hand-out queued every consumer's wake-up already: this runs after all of them
+            asyncio.get_running_loop().call_soon(self._close)
+        self.turns[-1].append((rid, n_gen))
+
+    def _close(self) -> None:
+        self._open = False
+
+
+async def consume(eng, rid, turns: Turns, max_tokens=100):
+    async for c in eng.generate(GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens))):
+        if c.token_ids:
+            turns.add(rid, c.num_generated_tokens)
+    return c
+
+
+def test_one_timing_at_a_time():
+    with pytest.raises(ValueError, match="set one of them"):
+        NullEngineOptions(step_ms=5, tokens_per_s=100)
+    assert NullEngineOptions(step_ms=5).first_tokens_first
+
+
+@pytest.mark.parametrize("first_tokens_first", [True, False])
+async def test_a_step_hands_out_every_row_together_and_the_new_ones_in_the_order_asked(first_tokens_first):
+    eng = create_engine("null", {"num_tokens": 6, "step_ms": 20, "first_tokens_first": first_tokens_first})
+    await eng.start()
+    try:
+        turns = Turns()
+        rows = [asyncio.create_task(consume(eng, f"row{i}", turns)) for i in range(3)]
+        while len(turns.turns) < 2:
+            await asyncio.sleep(0.001)
+        late = asyncio.create_task(consume(eng, "late", turns))
+        ends = await asyncio.gather(*rows, late)
+        assert [e.finish_reason for e in ends] == ["length"] * 4 and ends[-1].num_generated_tokens == 6
+        # every step one turn: the rows in step with each other, each once per step
+        for k, turn in enumerate(turns.turns[:6]):
+            assert sorted(x for x in turn if x[0] != "late") == [(f"row{i}", k + 1) for i in range(3)], turns.turns
+        joined = next(t for t in turns.turns if ("late", 1) in t)
+        assert len(joined) == 4
+        assert joined.index(("late", 1)) == (0 if first_tokens_first else 3), joined
+        stats = eng.stats()
+        assert stats.generated_tokens == 24 and stats.num_running == 0 and stats.num_waiting == 0
+        assert stats.forward_passes == len(turns.turns)
+    finally:
+        await eng.shutdown()
+
+
+async def test_stepped_requests_abort_leave_and_meet_the_bounds():
+    eng = create_engine("null", {"num_tokens": 1000, "step_ms": 5, "max_num_seqs": 1, "max_waiting_requests": 1})
+    await eng.start()
+    try:
+        turns = Turns()
+        running = asyncio.create_task(consume(eng, "running", turns, max_tokens=1000))
+        while eng.stats().num_running == 0:
+            await asyncio.sleep(0.001)
+        waiting = asyncio.create_task(consume(eng, "waiting", turns, max_tokens=1000))
+        while eng.stats().num_waiting == 0:
+            await asyncio.sleep(0.001)
+        # one running, one waiting: the third is refused, with nothing left behind
+        with pytest.raises(OverloadedError):
+            await consume(eng, "third", turns)
+        await eng.abort("running")
+        assert (await running).finish_reason == "abort"
+        while eng.stats().num_running == 0:  # the waiting one takes the freed row
+            await asyncio.sleep(0.001)
+        waiting.cancel()  # its consumer leaves, as a disconnected client's does
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        while eng.stats().num_running:
+            await asyncio.sleep(0.001)
+        assert eng.stats().aborted_requests == 2 and eng.stats().num_waiting == 0
+        # shut down under load: the request ends with the engine's error, not a hang
+        stuck = asyncio.create_task(consume(eng, "stuck", turns, max_tokens=1000))
+        while eng.stats().num_running == 0:
+            await asyncio.sleep(0.001)
+    finally:
+        await eng.shutdown()
+    with pytest.raises(EngineNotReadyError):
+        await asyncio.wait_for(stuck, 5)
