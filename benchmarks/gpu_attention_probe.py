@@ -68,7 +68,7 @@ def make_inputs(torch, rows: int, span: int, max_len: int, layers: int, slots: i
 
 def reference(torch, q, k, v, pos, scale):
     """float64 attention of one layer, each row over positions 0..pos[row]."""
-    rows, span = q.shape[0], k.shape[2]
+    span = k.shape[2]
     group = HEADS // KV_HEADS
     kk = k.double().repeat_interleave(group, dim=1)
     vv = v.double().repeat_interleave(group, dim=1)

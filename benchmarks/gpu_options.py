@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +146,6 @@ def main() -> None:
         r = fn()
         print("RESULT " + json.dumps(r), flush=True)
         return
-    del model
     import subprocess
 
     for key in only:

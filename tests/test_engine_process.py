@@ -20,7 +20,7 @@ from serve_app.errors import (
     InvalidRequestError,
     OverloadedError,
 )
-from tests.conftest import deploy_app, null_config, smol_config, wait_for
+from tests.conftest import deploy_app, smol_config, wait_for
 
 QUESTION = "What is the capital of France? Answer in one word."
 SMOL_OPTS = {"model": "embedded:smollm2-135m-instruct", "device": "cpu", "max_num_seqs": 8,
