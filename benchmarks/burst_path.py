@@ -1,7 +1,8 @@
 """The serving path under a batched engine's bursts, on the CPU: the engine alone against the stack.
 
     python benchmarks/burst_path.py [--streams 64] [--tokens 16] [--step-ms 20] [--rounds 40] [--pairs 2]
-        [--paths engine stack] [--compare KEY=JSON] [--think-ms MEAN] [--http-proxy haproxy] [--out FILE]
+        [--paths engine stack] [--set KEY=JSON] [--compare KEY=JSON] [--think-ms MEAN] [--http-proxy haproxy]
+        [--out FILE]
 
 A GPU engine hands out a pass's tokens together: at 64 streams 64 chunks at once, every ~5.8 ms on an H200,
 and every hop to the client (the engine process's relay, the replica, its HTTP stream, the client) takes them in
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import _options, compare_tag, concurrent_load, prompt_draw  # noqa: E402
+from benchmarks.gpu_engine import _option, _options, compare_tag, concurrent_load, prompt_draw  # noqa: E402
 from benchmarks.gpu_stack import ClientLag, http_one, replica_handle  # noqa: E402
 from benchmarks.loadgen import add_http_proxy_arg, free_port, percentile, save_json  # noqa: E402
 
@@ -40,7 +41,7 @@ _ids = itertools.count()
 
 
 def engine_options(args) -> dict:
-    return {"num_tokens": args.tokens, "step_ms": args.step_ms, "max_num_seqs": 256}
+    return {"num_tokens": args.tokens, "step_ms": args.step_ms, "max_num_seqs": 256, **dict(args.set)}
 
 
 async def engine_one(engine, prompt: list[int], tokens: int) -> dict:
@@ -158,6 +159,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40, help="requests per stream in each load")
     p.add_argument("--pairs", type=int, default=2, help="loads of each arm, ABBA")
     p.add_argument("--paths", nargs="+", choices=("engine", "stack"), default=["engine", "stack"])
+    p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
+                   help="a null-engine option as started, e.g. --set launch_lead_ms=8 (the window a closed-loop "
+                        "reply has to make the next step is then step_ms - 8)")
     p.add_argument("--compare", type=_options, default=None, metavar="KEY=JSON[,KEY=JSON]",
                    help="null-engine options for the other arm, e.g. first_tokens_first=false")
     p.add_argument("--stream-interval-ms", type=float, default=50.0,
@@ -176,7 +180,7 @@ def main() -> None:
     args.started_options = NullEngineOptions(**engine_options(args)).model_dump()
     t0 = time.perf_counter()
     res = {"command": " ".join(sys.argv), "streams": args.streams, "tokens": args.tokens, "step_ms": args.step_ms,
-           "rounds": args.rounds, "think_ms": args.think_ms, "compare": args.compare, "http_proxy": args.http_proxy,
+           "rounds": args.rounds, "think_ms": args.think_ms, "set": dict(args.set), "compare": args.compare, "http_proxy": args.http_proxy,
            "stream_interval_ms": args.stream_interval_ms, "paths": {}}
     for path in args.paths:
         res["paths"][path] = asyncio.run(run_engine(args)) if path == "engine" else run_stack(args)

@@ -338,6 +338,23 @@ class HandOutLog:
         return next(h for h in self.handouts if item in h)
 
 
+async def test_a_step_hands_out_starting_then_ending_streams_then_the_rest_each_in_its_own_order():
+    from serve_app.engines.base import EngineChunk
+    from serve_app.engines.hf import _handout_order
+
+    def chunk(rid, n_gen, finish=None, tokens=1):
+        return EngineChunk(rid, [7] * tokens, "x", [0.0] * tokens, None, finish, 3, n_gen)
+
+    a, b, c, d, e = (object() for _ in range(5))
+    boom = EngineError("generation failed")
+    outbox = [(a, chunk("a", 5)), (b, chunk("b", 9)), (c, chunk("c", 1)), (b, chunk("b", 9, "stop", 0)),
+              (d, boom), (a, chunk("a", 6)), (e, chunk("e", 2, tokens=2))]
+    order = [(rid, item) for rid, item in _handout_order(outbox)]
+    # c starts (its first token; e's two tokens are its first chunk too); b ends (a token, then its finish);
+    # d failed; a goes on
+    assert [x[1] for x in order] == [outbox[i][1] for i in (2, 6, 1, 3, 4, 0, 5)]
+
+
 async def test_a_mixed_pass_hands_out_its_first_token_before_its_rows(embedded_model_dir):
     # every hop from the engine to the client (the engine thread, the engine process's relay, the replica, the
     # HTTP stream) takes a pass's chunks in the order the engine hands them out; a new prompt's first token

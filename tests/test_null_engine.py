@@ -69,6 +69,56 @@ async def test_a_step_hands_out_every_row_together_and_the_new_ones_in_the_order
         await eng.shutdown()
 
 
+@pytest.mark.parametrize("finishing_first", [True, False])
+async def test_a_step_hands_out_the_tokens_that_end_requests_before_the_other_rows(finishing_first):
+    eng = create_engine("null", {"num_tokens": 6, "step_ms": 10, "finishing_first": finishing_first})
+    await eng.start()
+    try:
+        turns = Turns()
+        await asyncio.gather(consume(eng, "row0", turns), consume(eng, "row1", turns),
+                             consume(eng, "short", turns, max_tokens=3))
+        ending = next(t for t in turns.turns if ("short", 3) in t)
+        assert ending == ([("short", 3), ("row0", 3), ("row1", 3)] if finishing_first
+                          else [("row0", 3), ("row1", 3), ("short", 3)])
+    finally:
+        await eng.shutdown()
+
+
+async def test_with_a_lead_a_request_after_the_pick_waits_a_step_more():
+    # hf picks a pass's prompts launch_lead_ms before the pass in flight ends; the stepped null engine does the
+    # same, so a reply slower than the window left misses a step here as on a GPU
+    with pytest.raises(ValueError, match="must be under step_ms"):
+        NullEngineOptions(step_ms=5, launch_lead_ms=5)
+    eng = create_engine("null", {"num_tokens": 1000, "step_ms": 200, "launch_lead_ms": 100})
+    await eng.start()
+    try:
+        turns = Turns()
+        row = asyncio.create_task(consume(eng, "row", turns, max_tokens=1000))
+
+        async def next_handout() -> int:
+            """Waits for the next hand-out; returns the index of the step that then runs."""
+            n = len(turns.turns)
+            while len(turns.turns) == n:
+                await asyncio.sleep(0.001)
+            return n + 1
+
+        # right after a hand-out (the step that follows it is already picked): before this step's pick, 100 ms
+        # on, so the step after this one; turns[n] is this step's hand-out
+        n = await next_handout()
+        await consume(eng, "early", turns, max_tokens=1)
+        assert ("early", 1) in turns.turns[n + 1], turns.turns
+        # 150 ms into a step: after its pick, so one step later
+        n = await next_handout()
+        await asyncio.sleep(0.15)
+        await consume(eng, "late", turns, max_tokens=1)
+        assert ("late", 1) in turns.turns[n + 2], turns.turns
+        assert eng.stats().forward_passes == len(turns.turns)
+        await eng.abort("row")
+        assert (await row).finish_reason == "abort"
+    finally:
+        await eng.shutdown()
+
+
 async def test_stepped_requests_abort_leave_and_meet_the_bounds():
     eng = create_engine("null", {"num_tokens": 1000, "step_ms": 5, "max_num_seqs": 1, "max_waiting_requests": 1})
     await eng.start()

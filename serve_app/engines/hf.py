@@ -101,6 +101,25 @@ def _gumbel_perturbed(scaled):
     return scaled + -torch.empty_like(scaled).exponential_().log()
 
 
+def _handout_rank(item) -> int:
+    if isinstance(item, BaseException) or item.finish_reason is not None:
+        return 1
+    return 0 if item.num_generated_tokens == len(item.token_ids) else 2
+
+
+def _handout_order(outbox: list) -> list:
+    """A step's chunks, the streams that start (their first tokens) first, then those that end (last token,
+    finish or error), then the rest; each stream's own chunks in their order. Every hop out to the client (the
+    engine process's relay, the replica's dispatch to its streams, their SSE writes, the client) takes them in
+    this order: a first token behind 63 rows waits for all of their work at each hop, and so does a last token,
+    which a closed-loop client waits for before it sends its next request (in time for the next pass or not:
+    benchmarks/burst_path.py)."""
+    rank: dict[int, int] = {}
+    for seq, item in outbox:
+        rank[id(seq)] = min(rank.get(id(seq), 2), _handout_rank(item))
+    return sorted(outbox, key=lambda x: rank[id(x[0])])  # stable: a stream's chunks keep their order
+
+
 def _deliver_all(items) -> None:
     for q, item in items:
         q.put_nowait(item)
@@ -501,11 +520,11 @@ class HFEngine(HFTokenization, Engine):
         return launch_wait_s(time.monotonic(), p.started_s, self._pass_timer.predicted_s(p.kind), lead_ms / 1000)
 
     def _flush(self) -> None:
-        """One cross-thread wake-up per event loop per step, not one per token."""
+        """One cross-thread wake-up per event loop per step, not one per token; in _handout_order."""
         if not self._outbox:
             return
         by_loop: dict = {}
-        for seq, item in self._outbox:
+        for seq, item in _handout_order(self._outbox):
             by_loop.setdefault(seq.loop, []).append((seq.queue, item))
         self._outbox = []
         for loop, items in by_loop.items():
@@ -804,10 +823,8 @@ class HFEngine(HFTokenization, Engine):
         if first is not None:
             seq, prompt_logits = first
             first_tok, first_lp = self._first_token_on_device(seq, prompt_logits)
-            # its row in the host buffers: after the step's rows; handed out before them, since every hop out
-            # to the client (the engine thread, its process's relay, the replica, the HTTP stream) takes a
-            # pass's chunks in this order, and a first token behind 63 rows waits for all of their work there
-            snapshot.insert(0, (rows, seq))
+            # its row in the host buffers: after the step's rows (handed out before them: _flush)
+            snapshot.append((rows, seq))
             n = rows + 1
         if self._slots.device.type == "cuda":
             host_tok, host_lp = self._host[self._host_turn]

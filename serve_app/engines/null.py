@@ -59,6 +59,7 @@ class NullEngine(Engine):
         # step_ms: requests not yet admitted, the running rows (in admission order), the loop that steps them
         self._pending: collections.deque[_Row] = collections.deque()
         self._rows: list[_Row] = []
+        self._picked: list[_Row] = []  # taken for the next step
         self._wake = asyncio.Event()
         self._stepper: asyncio.Task | None = None
 
@@ -166,43 +167,68 @@ class NullEngine(Engine):
                 row.gone = True
 
     async def _step_loop(self) -> None:
-        """One step: admit what waits (up to max_num_seqs running), wait step_ms (the pass), hand every row a
-        token; the next step starts at once, as a GPU engine's next pass does."""
+        """Steps while anything runs or waits: a step gives every running row a token after step_ms (its pass)
+        and the next one starts at once, as a GPU engine's next pass does. Its new requests are picked
+        launch_lead_ms before the step in flight ends (at its end with no lead), as hf picks a pass's prompts:
+        a request that arrives after that waits a step more; onto an idle engine they are picked at once."""
         loop = asyncio.get_running_loop()
         try:
             while self._ready:
-                if not self._rows and not self._pending:
+                if not self._rows and not self._pending and not self._picked:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
                 started = loop.time()
-                admitted = []
-                while self._pending and len(self._rows) + len(admitted) < self.options.max_num_seqs:
-                    row = self._pending.popleft()
-                    self._waiting -= 1
-                    if row.gone:
-                        self._stats.aborted_requests += 1
-                        continue
-                    row.queue_time_s = started - row.arrived_s
-                    admitted.append(row)
+                if not self._rows:  # an idle engine launches at once
+                    self._picked += self._pick(started, 0)
+                admitted, self._picked = self._picked, []
                 running = self._rows
                 self._rows = running + admitted
                 self._running = len(self._rows)
-                await asyncio.sleep(max(0.0, started + self.options.step_ms / 1000 - loop.time()))
-                order = admitted + running if self.options.first_tokens_first else running + admitted
+                end = started + self.options.step_ms / 1000
+                lead_s = self.options.launch_lead_ms / 1000
+                if lead_s > 0:
+                    await asyncio.sleep(max(0.0, end - lead_s - loop.time()))
+                    ending = sum(1 for r in self._rows if r.n_gen + 1 >= r.n or r.gone)
+                    self._picked = self._pick(loop.time(), len(self._rows) - ending)
+                await asyncio.sleep(max(0.0, end - loop.time()))
+                order = self._handout_order(admitted, running)
                 for row in order:
                     self._hand_out(row)
                 self._rows = [r for r in self._rows if r.n_gen < r.n and not r.gone]
                 self._running = len(self._rows)
                 self._stats.forward_passes += 1
+                if lead_s <= 0:
+                    self._picked = self._pick(loop.time(), len(self._rows))
         finally:
             # shut down (or the loop ended): nobody steps them any more
             err = EngineNotReadyError("engine is shutting down")
-            for row in (*self._rows, *self._pending):
+            for row in (*self._rows, *self._picked, *self._pending):
                 row.queue.put_nowait(err)
-            self._rows, self._running = [], 0
+            self._rows, self._picked, self._running = [], [], 0
             self._waiting -= len(self._pending)
             self._pending.clear()
+
+    def _handout_order(self, admitted: list[_Row], running: list[_Row]) -> list[_Row]:
+        """hf's order (first_tokens_first, finishing_first): the new requests' first tokens, then the last tokens
+        of the requests this step ends, then the other rows."""
+        if self.options.finishing_first:
+            ending = [r for r in running if r.n_gen + 1 >= r.n]
+            running = ending + [r for r in running if r.n_gen + 1 < r.n]
+        return admitted + running if self.options.first_tokens_first else running + admitted
+
+    def _pick(self, now: float, running: int) -> list[_Row]:
+        """The waiting requests the next step takes, up to max_num_seqs with ``running`` rows staying."""
+        picked = []
+        while self._pending and running + len(picked) < self.options.max_num_seqs:
+            row = self._pending.popleft()
+            self._waiting -= 1
+            if row.gone:
+                self._stats.aborted_requests += 1
+                continue
+            row.queue_time_s = now - row.arrived_s
+            picked.append(row)
+        return picked
 
     def _hand_out(self, row: _Row) -> None:
         rid = row.request.request_id

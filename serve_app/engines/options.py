@@ -216,13 +216,24 @@ class NullEngineOptions(StrictModel):
         "batched engine's timing: one step every step_ms gives every running request one token, and the step's "
         "tokens are handed out together, as hf's passes are, so the serving path meets their bursts; a request "
         "that arrives waits for the next step (tokens_per_s must then be 0).")
+    launch_lead_ms: float = Field(
+        0.0, ge=0.0, description="With step_ms: the next step's requests are picked this long before the step in "
+        "flight ends, as hf's launch_lead_ms picks a pass's prompts (0: at its end). A request that arrives later "
+        "waits one step more, so the window a reply has to make the next step is step_ms - launch_lead_ms.")
     first_tokens_first: bool = Field(
         True, description="With step_ms: a step hands out the first tokens of the requests it admits before "
         "the running rows' tokens, as hf's mixed passes do; False puts them after, to measure what the order "
-        "costs (benchmarks/handout_order.py).")
+        "costs (benchmarks/burst_path.py).")
+    finishing_first: bool = Field(
+        True, description="With step_ms: a step hands out the last tokens of the requests it ends before the other "
+        "rows' tokens, as hf does, since a closed-loop client's next request waits for them; False keeps the rows' "
+        "order, to measure what that costs (benchmarks/burst_path.py).")
 
     @model_validator(mode="after")
     def _check(self) -> "NullEngineOptions":
+        if self.launch_lead_ms and self.launch_lead_ms >= self.step_ms:
+            raise ValueError(f"launch_lead_ms ({self.launch_lead_ms}) must be under step_ms ({self.step_ms}): the "
+                             "next step's requests are picked within the step in flight")
         if self.step_ms > 0 and self.tokens_per_s > 0:
             raise ValueError(f"step_ms ({self.step_ms}) and tokens_per_s ({self.tokens_per_s}) are two timings: "
                              "set one of them")
