@@ -127,6 +127,7 @@ class NullEngine(Engine):
                 if request.request_id in self._aborted:
                     self._aborted.discard(request.request_id)
                     done = True
+                    self._stats.aborted_requests += 1
                     yield self._chunk(request, [], "", "abort", i - 1)
                     return
                 self._stats.generated_tokens += 1
