@@ -214,39 +214,6 @@ async def test_overload_crosses_as_429_error_type():
 
 
 @pytest.mark.asyncio
-async def test_a_request_goes_to_the_child_when_asked_and_a_stream_left_unread_aborts_it():
-    # generate() sends at once: in a replica the stream is read from a task that starts an event-loop turn later,
-    # behind every stream an engine step woke, and the request should not wait for that turn
-    import gc
-
-    eng = create_engine("null", {"num_tokens": 100, "tokens_per_s": 2}, process="separate")  # 0.5 s a token
-    await eng.start()
-    try:
-        ids = eng.encode_text("hi")
-        stream = eng.generate(GenerationRequest("unread", ids, SamplingParams(max_tokens=100)))
-        assert await _eventually(lambda: eng.stats().num_running == 1)  # running in the child, nothing read yet
-        del stream
-        gc.collect()
-        assert await _eventually(lambda: eng.stats().num_running == 0 and eng.stats().aborted_requests == 1)
-        assert not eng._queues
-        # cancelled while it waits for its next chunk, and closed early: both abort too
-        waiting = eng.generate(GenerationRequest("cancelled", ids, SamplingParams(max_tokens=100)))
-        task = asyncio.ensure_future(waiting.__anext__())
-        await asyncio.sleep(0.1)  # its first token comes after 0.5 s
-        assert not task.done()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        closed = eng.generate(GenerationRequest("closed", ids, SamplingParams(max_tokens=100)))
-        await closed.__anext__()
-        await closed.aclose()
-        assert await _eventually(lambda: eng.stats().num_running == 0 and eng.stats().aborted_requests == 3)
-        assert not eng._queues
-    finally:
-        await eng.shutdown()
-
-
-@pytest.mark.asyncio
 async def test_a_dead_child_fails_open_streams_and_health_not_silently():
     eng = create_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate")
     await eng.start()

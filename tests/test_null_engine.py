@@ -38,6 +38,20 @@ async def consume(eng, rid, turns: Turns, max_tokens=100):
     return c
 
 
+async def test_an_abort_is_counted_in_either_timing():
+    for options in ({"num_tokens": 100, "tokens_per_s": 50}, {"num_tokens": 100, "step_ms": 20}):
+        eng = create_engine("null", options)
+        await eng.start()
+        try:
+            gen = eng.generate(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=100)))
+            await gen.__anext__()
+            await eng.abort("a")
+            assert [c.finish_reason async for c in gen][-1] == "abort"
+            assert eng.stats().aborted_requests == 1 and eng.stats().num_running == 0, options
+        finally:
+            await eng.shutdown()
+
+
 def test_one_timing_at_a_time():
     with pytest.raises(ValueError, match="set one of them"):
         NullEngineOptions(step_ms=5, tokens_per_s=100)

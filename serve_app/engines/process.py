@@ -70,57 +70,6 @@ class _RequestQueue(asyncio.Queue):
     started = False
 
 
-class _ChildStream:
-    """One request's stream from the child, sent already (:meth:`SeparateProcessEngine.generate`). Left before
-    its end (closed, cancelled while waiting, an error, or dropped), it aborts the request in the child, as the
-    async generator it replaces did from its ``finally``."""
-
-    __slots__ = ("engine", "rid", "queue", "done")
-
-    def __init__(self, engine: "SeparateProcessEngine", rid: str, queue: _RequestQueue):
-        self.engine, self.rid, self.queue, self.done = engine, rid, queue, False
-
-    def __aiter__(self) -> "_ChildStream":
-        return self
-
-    async def __anext__(self) -> EngineChunk:
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            item = await self.queue.get()
-        except BaseException:  # cancelled while waiting
-            self._close(ended=False)
-            raise
-        if isinstance(item, BaseException):
-            self._close(ended=True)
-            raise item
-        if item.finish_reason is not None:
-            self._close(ended=True)
-        return item
-
-    async def aclose(self) -> None:
-        self._close(ended=False)
-
-    def _close(self, ended: bool) -> None:
-        if self.done:
-            return
-        self.done = True
-        engine = self.engine
-        engine._queues.pop(self.rid, None)
-        if not ended and engine._gone is None:
-            try:
-                engine._send(("abort", self.rid))
-            except EngineNotReadyError:
-                pass
-
-    def __del__(self) -> None:
-        # a stream dropped unread (its consumer never started, say) still frees the child's slot
-        try:
-            self._close(ended=False)
-        except Exception:  # noqa: BLE001 - at collection, nothing to report to
-            pass
-
-
 class SeparateProcessEngine(Engine):
     """The engine contract, served by a registered backend running in a child process."""
 
@@ -249,11 +198,7 @@ class SeparateProcessEngine(Engine):
         return s
 
     # ---- requests ---------------------------------------------------------
-    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineChunk]:
-        """The request goes to the child now, not at the stream's first iteration: the replica's handler calls
-        this in its own turn of the event loop, and the stream is iterated from a task that starts a turn later
-        (coalesce's pump), behind every stream an engine step has just woken. Errors found before the request
-        is sent raise here."""
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineChunk]:
         if not self._started or self._gone is not None:
             raise EngineNotReadyError(self._gone or "engine is not ready")
         rid = request.request_id
@@ -261,12 +206,25 @@ class SeparateProcessEngine(Engine):
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         queue = _RequestQueue()
         self._queues[rid] = queue
+        ended = False
         try:
             self._send(("generate", request))
-        except BaseException:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                ended = item.finish_reason is not None
+                yield item
+                if ended:
+                    return
+        finally:
             self._queues.pop(rid, None)
-            raise
-        return _ChildStream(self, rid, queue)
+            if not ended and self._gone is None:
+                try:
+                    self._send(("abort", rid))
+                except EngineNotReadyError:
+                    pass
 
     async def abort(self, request_id: str) -> None:
         if self._gone is None:
