@@ -340,7 +340,7 @@ class HandOutLog:
 
 async def test_a_step_hands_out_starting_then_ending_streams_then_the_rest_each_in_its_own_order():
     from serve_app.engines.base import EngineChunk
-    from serve_app.engines.hf import _handout_order
+    from serve_app.engines.base import handout_order
 
     def chunk(rid, n_gen, finish=None, tokens=1):
         return EngineChunk(rid, [7] * tokens, "x", [0.0] * tokens, None, finish, 3, n_gen)
@@ -349,7 +349,7 @@ async def test_a_step_hands_out_starting_then_ending_streams_then_the_rest_each_
     boom = EngineError("generation failed")
     outbox = [(a, chunk("a", 5)), (b, chunk("b", 9)), (c, chunk("c", 1)), (b, chunk("b", 9, "stop", 0)),
               (d, boom), (a, chunk("a", 6)), (e, chunk("e", 2, tokens=2))]
-    order = [(rid, item) for rid, item in _handout_order(outbox)]
+    order = [(rid, item) for rid, item in handout_order(outbox)]
     # c starts (its first token; e's two tokens are its first chunk too); b ends (a token, then its finish);
     # d failed; a goes on
     assert [x[1] for x in order] == [outbox[i][1] for i in (2, 6, 1, 3, 4, 0, 5)]

@@ -105,6 +105,29 @@ def merge_chunks(chunks: list[EngineChunk]) -> EngineChunk:
     )
 
 
+def handout_order(outbox: list, first_tokens_first: bool = True, finishing_first: bool = True) -> list:
+    """One step's ``(stream, chunk or exception)`` pairs in the order a backend hands them out: the streams that
+    start (their first chunk) first, then those that end (a finish or an error), then the rest; a stream's own
+    chunks keep their order. Every hop out to the client (the engine process's relay, the replica's dispatch
+    to its streams, their SSE writes, the client) takes them in this order: a first token behind 63 rows
+    waits for all of their work at each hop, and so does a last token, which a closed-loop client waits for
+    before it sends its next request (in time for the next pass or not: benchmarks/burst_path.py). hf uses
+    the defaults; the null engine's options turn either part off (starting streams then go last), to measure
+    what it is worth."""
+
+    def rank(item) -> int:
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            return 1 if finishing_first else 2
+        if item.num_generated_tokens == len(item.token_ids):
+            return 0 if first_tokens_first else 3
+        return 2
+
+    ranks: dict[int, int] = {}
+    for stream, item in outbox:
+        ranks[id(stream)] = min(ranks.get(id(stream), 3), rank(item))
+    return sorted(outbox, key=lambda x: ranks[id(x[0])])  # stable: a stream's chunks keep their order
+
+
 @dataclass
 class EngineStats:
     num_waiting: int = 0

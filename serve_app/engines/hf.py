@@ -37,7 +37,7 @@ from serve_app.errors import (
     OverloadedError,
 )
 
-from .base import Engine, EngineChunk, EngineStats, GenerationRequest
+from .base import Engine, EngineChunk, EngineStats, GenerationRequest, handout_order
 from .hf_batch import LocalRunner, resolve_device_dtype
 from .launch_timing import GapMeter, PassTimer, launch_wait_s
 from .options import HFEngineOptions
@@ -99,25 +99,6 @@ def _gumbel_perturbed(scaled):
     import torch
 
     return scaled + -torch.empty_like(scaled).exponential_().log()
-
-
-def _handout_rank(item) -> int:
-    if isinstance(item, BaseException) or item.finish_reason is not None:
-        return 1
-    return 0 if item.num_generated_tokens == len(item.token_ids) else 2
-
-
-def _handout_order(outbox: list) -> list:
-    """A step's chunks, the streams that start (their first tokens) first, then those that end (last token,
-    finish or error), then the rest; each stream's own chunks in their order. Every hop out to the client (the
-    engine process's relay, the replica's dispatch to its streams, their SSE writes, the client) takes them in
-    this order: a first token behind 63 rows waits for all of their work at each hop, and so does a last token,
-    which a closed-loop client waits for before it sends its next request (in time for the next pass or not:
-    benchmarks/burst_path.py)."""
-    rank: dict[int, int] = {}
-    for seq, item in outbox:
-        rank[id(seq)] = min(rank.get(id(seq), 2), _handout_rank(item))
-    return sorted(outbox, key=lambda x: rank[id(x[0])])  # stable: a stream's chunks keep their order
 
 
 def _deliver_all(items) -> None:
@@ -520,11 +501,11 @@ class HFEngine(HFTokenization, Engine):
         return launch_wait_s(time.monotonic(), p.started_s, self._pass_timer.predicted_s(p.kind), lead_ms / 1000)
 
     def _flush(self) -> None:
-        """One cross-thread wake-up per event loop per step, not one per token; in _handout_order."""
+        """One cross-thread wake-up per event loop per step, not one per token; in base.handout_order."""
         if not self._outbox:
             return
         by_loop: dict = {}
-        for seq, item in _handout_order(self._outbox):
+        for seq, item in handout_order(self._outbox):
             by_loop.setdefault(seq.loop, []).append((seq.queue, item))
         self._outbox = []
         for loop, items in by_loop.items():
@@ -823,7 +804,7 @@ class HFEngine(HFTokenization, Engine):
         if first is not None:
             seq, prompt_logits = first
             first_tok, first_lp = self._first_token_on_device(seq, prompt_logits)
-            # its row in the host buffers: after the step's rows (handed out before them: _flush)
+            # its row in the host buffers: after the step's rows (handed out before them: _flush's order)
             snapshot.append((rows, seq))
             n = rows + 1
         if self._slots.device.type == "cuda":

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 from serve_app.errors import ContextLengthExceededError, EngineNotReadyError, OverloadedError
 
-from .base import Engine, EngineChunk, EngineStats, GenerationRequest
+from .base import Engine, EngineChunk, EngineStats, GenerationRequest, handout_order
 from .options import NullEngineOptions
 
 _TOKEN_ID = 42
@@ -193,9 +193,9 @@ class NullEngine(Engine):
                     ending = sum(1 for r in self._rows if r.n_gen + 1 >= r.n or r.gone)
                     self._picked = self._pick(loop.time(), len(self._rows) - ending)
                 await asyncio.sleep(max(0.0, end - loop.time()))
-                order = self._handout_order(admitted, running)
-                for row in order:
-                    self._hand_out(row)
+                made = [(row, c) for row in admitted + running if (c := self._step_chunk(row)) is not None]
+                for row, chunk in handout_order(made, self.options.first_tokens_first, self.options.finishing_first):
+                    row.queue.put_nowait(chunk)
                 self._rows = [r for r in self._rows if r.n_gen < r.n and not r.gone]
                 self._running = len(self._rows)
                 self._stats.forward_passes += 1
@@ -210,14 +210,6 @@ class NullEngine(Engine):
             self._waiting -= len(self._pending)
             self._pending.clear()
 
-    def _handout_order(self, admitted: list[_Row], running: list[_Row]) -> list[_Row]:
-        """hf's order (first_tokens_first, finishing_first): the new requests' first tokens, then the last tokens
-        of the requests this step ends, then the other rows."""
-        if self.options.finishing_first:
-            ending = [r for r in running if r.n_gen + 1 >= r.n]
-            running = ending + [r for r in running if r.n_gen + 1 < r.n]
-        return admitted + running if self.options.first_tokens_first else running + admitted
-
     def _pick(self, now: float, running: int) -> list[_Row]:
         """The waiting requests the next step takes, up to max_num_seqs with ``running`` rows staying."""
         picked = []
@@ -231,24 +223,24 @@ class NullEngine(Engine):
             picked.append(row)
         return picked
 
-    def _hand_out(self, row: _Row) -> None:
+    def _step_chunk(self, row: _Row) -> EngineChunk | None:
+        """What a step makes for ``row``: its next token, its abort, or nothing (its consumer left)."""
         rid = row.request.request_id
         if row.gone:
             self._stats.aborted_requests += 1
-            return
+            return None
         if rid in self._aborted:
             self._aborted.discard(rid)
             row.gone = True  # its abort chunk ends it
             self._stats.aborted_requests += 1
-            row.queue.put_nowait(self._chunk(row.request, [], "", "abort", row.n_gen))
-            return
+            return self._chunk(row.request, [], "", "abort", row.n_gen)
         row.n_gen += 1
         self._stats.generated_tokens += 1
         chunk = self._chunk(row.request, [_TOKEN_ID], self.options.token_text,
                             "length" if row.n_gen == row.n else None, row.n_gen)
         if row.n_gen == 1:
             chunk.queue_time_s = row.queue_time_s
-        row.queue.put_nowait(chunk)
+        return chunk
 
     @staticmethod
     def _chunk(request, ids, text, finish, n_gen) -> EngineChunk:
