@@ -40,17 +40,73 @@ from benchmarks.loadgen import add_http_proxy_arg, free_port, percentile, save_j
 _ids = itertools.count()
 
 
+class ProcCpu:
+    """CPU seconds the serving processes use over a load, from /proc (Linux): the replica (``ServeReplica``
+    in its command line), the engine's child (``serve_app.engines.process``), HAProxy and this process. On this
+    two-core box every process's CPU is taken from the others' share, and a replica loop's CPU per request is
+    how long each request holds the loop that every stream's tokens pass through."""
+
+    PATTERNS = {"replica": "ServeReplica:", "engine child": "serve_app.engines.process", "haproxy": "haproxy"}
+
+    def __init__(self):
+        self.pids = {"client": os.getpid()}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                cmd = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            for label, pattern in self.PATTERNS.items():
+                if pattern in cmd and label not in self.pids:
+                    self.pids[label] = int(entry)
+
+    @staticmethod
+    def _cpu_s(pid: int) -> float:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self):
+        self._t0 = {k: self._cpu_s(pid) for k, pid in self.pids.items()}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cpu_s = {k: self._cpu_s(pid) - self._t0[k] for k, pid in self.pids.items()}
+
+
 def engine_options(args) -> dict:
     return {"num_tokens": args.tokens, "step_ms": args.step_ms, "max_num_seqs": 256, **dict(args.set)}
 
 
-async def engine_one(engine, prompt: list[int], tokens: int) -> dict:
+def engine_stream(engine, req, consumer: str, interval_s: float):
+    """A request's chunks as ``consumer`` reads them: the engine's generator as is, or paced as a replica
+    paces them (serve_app/deployments/coalesce: ``coalesced`` over the generator, ``pushed`` over submit)."""
+    from serve_app.deployments.coalesce import coalesced, pushed
+    from serve_app.engines.base import merge_chunks
+
+    if consumer == "generate":
+        return engine.generate(req)
+    if consumer == "coalesced":
+        return coalesced(engine.generate(req), merge_chunks, interval_s, _has_text)
+    return pushed(engine, req, merge_chunks, interval_s, _has_text)
+
+
+def _has_text(chunk) -> bool:
+    return bool(chunk.text)
+
+
+async def engine_one(engine, prompt: list[int], tokens: int, consumer: str = "generate",
+                     interval_s: float = 0.0) -> dict:
     """One request to the engine, timed as gpu_engine.py times them (at this process's consumer)."""
     from serve_app.engines.base import GenerationRequest, SamplingParams
 
     t0 = time.perf_counter()
     first, n = None, 0
-    async for c in engine.generate(GenerationRequest(f"b{next(_ids)}", prompt, SamplingParams(max_tokens=tokens))):
+    req = GenerationRequest(f"b{next(_ids)}", prompt, SamplingParams(max_tokens=tokens))
+    async for c in engine_stream(engine, req, consumer, interval_s):
         if first is None and c.token_ids:
             first = time.perf_counter() - t0
         n += len(c.token_ids)
@@ -71,7 +127,7 @@ async def measure(send, set_options, stats, args, path: str) -> dict:
         for arm in (arms if pair % 2 == 0 else arms[::-1]):
             await set_options(arm or undo)
             before = await stats()
-            with ClientLag() as lag:
+            with ClientLag() as lag, ProcCpu() as cpu:
                 res = await concurrent_load(lambda k, p: send(p), args.streams, prompt, rng, args.rounds,
                                             think_ms=args.think_ms)
             after = await stats()
@@ -81,7 +137,8 @@ async def measure(send, set_options, stats, args, path: str) -> dict:
                 "requests": res["requests"], "failed": res["failed"], "token_counts": res["token_counts"],
                 "output_tok_s": round(res["output_tok_s"], 1), "ttft_p50_ms": round(res["ttft_p50_ms"], 2),
                 "ttft_p95_ms": round(res["ttft_p95_ms"], 2), "ttft_mean_ms": round(statistics.fmean(ttfts), 2),
-                "engine_steps": after["forward_passes"] - before["forward_passes"], "client": lag.summary})
+                "engine_steps": after["forward_passes"] - before["forward_passes"], "client": lag.summary,
+                "cpu_ms_per_request": {k: round(1000 * v / max(1, res["requests"]), 3) for k, v in cpu.cpu_s.items()}})
             print(loads[-1], flush=True)
     return {"idle_ttft_p50_ms": round(1000 * percentile(idle, 50), 2), "loads": loads}
 
@@ -99,7 +156,9 @@ async def run_engine(args) -> dict:
             await asyncio.sleep(0.2)  # the child sends its counters with its outputs, or every 0.5 s idle
             return engine.stats().as_dict()
 
-        return await measure(lambda p: engine_one(engine, p, args.tokens), set_options, stats, args, "engine")
+        return await measure(lambda p: engine_one(engine, p, args.tokens, args.consumer,
+                                                  args.stream_interval_ms / 1000),
+                             set_options, stats, args, "engine")
     finally:
         await engine.shutdown()
 
@@ -171,6 +230,11 @@ def main() -> None:
                         "as gpu_engine.py / gpu_stack.py --think-ms: in the closed loop (0) a stream's next request "
                         "comes right after a step's hand-out on either path and waits for the next step, so what "
                         "the path takes on the way in hides in that wait")
+    p.add_argument("--consumer", choices=("generate", "coalesced", "pushed"), default="generate",
+                   help="the engine path's reader: the engine's generator as is (gpu_engine.py's), or paced at "
+                        "--stream-interval-ms as a replica paces it, over the generator (a task per stream wakes "
+                        "every step) or over submit (each step appends to the stream's buffer); the client's CPU "
+                        "per request is then what the replica's side of the relay costs")
     add_http_proxy_arg(p)
     p.set_defaults(http_proxy="haproxy")
     p.add_argument("--out", default=str(ROOT / "results" / "burst_path.json"))
@@ -181,7 +245,7 @@ def main() -> None:
     t0 = time.perf_counter()
     res = {"command": " ".join(sys.argv), "streams": args.streams, "tokens": args.tokens, "step_ms": args.step_ms,
            "rounds": args.rounds, "think_ms": args.think_ms, "set": dict(args.set), "compare": args.compare, "http_proxy": args.http_proxy,
-           "stream_interval_ms": args.stream_interval_ms, "paths": {}}
+           "stream_interval_ms": args.stream_interval_ms, "consumer": args.consumer, "paths": {}}
     for path in args.paths:
         res["paths"][path] = asyncio.run(run_engine(args)) if path == "engine" else run_stack(args)
         save_json(args.out, res)
@@ -202,13 +266,15 @@ def arm_means(loads: list[dict]) -> dict[str, dict[str, float]]:
 def print_table(res: dict) -> None:
     print()
     print(f"{'path':<8}{'load':<6}{'arm':<28}{'tok/s':>8}{'TTFT p50':>10}{'p95':>8}{'mean':>8}{'steps':>7}"
-          f"{'client lag p99':>16}  (ms)")
+          f"{'client lag p99':>16}{'replica CPU/req':>17}{'child':>7}  (ms)")
     for path, pr in res["paths"].items():
         print(f"{path:<8}{'idle':<6}{'one stream':<28}{'':>8}{pr['idle_ttft_p50_ms']:>10.2f}")
         for r in pr["loads"]:
             print(f"{path:<8}{r['pair']:<6}{r['arm']:<28}{r['output_tok_s']:>8.0f}{r['ttft_p50_ms']:>10.2f}"
                   f"{r['ttft_p95_ms']:>8.2f}{r['ttft_mean_ms']:>8.2f}{r['engine_steps']:>7}"
-                  f"{r['client'].get('lag_p99_ms', float('nan')):>16.2f}")
+                  f"{r['client'].get('lag_p99_ms', float('nan')):>16.2f}"
+                  f"{r.get('cpu_ms_per_request', {}).get('replica', float('nan')):>17.3f}"
+                  f"{r.get('cpu_ms_per_request', {}).get('engine child', float('nan')):>7.3f}")
     print("\nmeans over each arm's loads: tok/s, TTFT p50 / p95 / mean ms")
     means = {path: arm_means(pr["loads"]) for path, pr in res["paths"].items()}
     for path, by_arm in means.items():

@@ -11,7 +11,8 @@ import pytest
 import pytest_asyncio
 
 from serve_app.config import parse_config
-from serve_app.engines.base import GenerationRequest, SamplingParams
+from serve_app.deployments.coalesce import pushed
+from serve_app.engines.base import GenerationRequest, SamplingParams, merge_chunks
 from serve_app.engines.registry import create_engine, get_engine_class
 from serve_app.errors import (
     ContextLengthExceededError,
@@ -249,6 +250,72 @@ async def test_a_request_the_dead_child_never_answered_is_not_ready_not_failed()
         with pytest.raises(EngineNotReadyError, match="exited"):
             await first
         assert eng.stats().healthy is False
+    finally:
+        await eng.shutdown()
+
+
+# ---- pushed: the replica's streams over submit() (serve_app/deployments/coalesce.pushed) ----------------
+def _paced_stream(eng, rid, ids, max_tokens, interval_s=0.0):
+    return pushed(eng, GenerationRequest(rid, ids, SamplingParams(max_tokens=max_tokens)), merge_chunks,
+                  interval_s, lambda c: bool(c.text))
+
+
+@pytest.mark.asyncio
+async def test_a_pushed_stream_paces_a_submitted_request_as_a_coalesced_one():
+    eng = create_engine("null", {"num_tokens": 40, "tokens_per_s": 200, "token_text": "x"}, process="separate")
+    await eng.start()
+    try:
+        assert eng.supports_submit
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = [(loop.time(), c) async for c in _paced_stream(eng, "p", [1, 2, 3], 40, interval_s=0.05)]
+        assert "".join(c.text for _, c in out) == "x" * 40  # nothing lost
+        assert len(out[0][1].token_ids) == 1 and out[0][0] - t0 < 0.04  # the first token at once
+        assert out[-1][1].finish_reason == "length" and out[-1][1].num_generated_tokens == 40
+        assert len(out) <= 8, [len(c.token_ids) for _, c in out]  # ~0.2 s of tokens, one message per 50 ms
+        gaps = [b - a for (a, _), (b, _) in zip(out[1:-1], out[2:-1])]
+        assert all(g >= 0.045 for g in gaps), gaps
+        assert not eng._queues  # the route went with the last chunk: a submitted request has no generator
+    finally:
+        await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_closing_a_pushed_stream_aborts_the_request_in_the_child():
+    eng = create_engine("null", {"num_tokens": 500, "tokens_per_s": 50}, process="separate")
+    await eng.start()
+    try:
+        stream = _paced_stream(eng, "gone", [1, 2], 500)
+        await stream.__anext__()
+        await stream.aclose()  # a client that disconnects
+        assert await _eventually(lambda: eng.stats().aborted_requests == 1 and eng.stats().num_running == 0)
+        assert await _eventually(lambda: not eng._queues)  # the abort's last chunk took the route with it
+        # refused at the first __anext__, as generate() refuses, and nothing is left behind
+        with pytest.raises(ContextLengthExceededError):
+            await _paced_stream(eng, "long", [1] * 10_000, 5).__anext__()
+        live = _paced_stream(eng, "twice", [1], 500)
+        await live.__anext__()
+        with pytest.raises(InvalidRequestError, match="duplicate request id"):
+            await _paced_stream(eng, "twice", [1], 5).__anext__()
+        await live.aclose()
+        assert await _eventually(lambda: eng.stats().num_running == 0 and not eng._queues)
+    finally:
+        await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_dead_child_fails_a_pushed_stream():
+    eng = create_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate")
+    await eng.start()
+    try:
+        stream = _paced_stream(eng, "doomed", [1], 100)
+        await stream.__anext__()
+        os.kill(eng._proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="exited"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineNotReadyError):
+            await _paced_stream(eng, "later", [1], 5).__anext__()
     finally:
         await eng.shutdown()
 

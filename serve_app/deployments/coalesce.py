@@ -20,61 +20,93 @@ On a GPU each of 64 streams makes ~100 tokens/s; one message per token through r
 ingress -> proxy costs more CPU than the serving processes have (measured:
 the stack delivered 43 % of the engine's tokens at 64 streams without it;
 docs/benchmarks.md).
+
+Two ways in, one pacing: :func:`coalesced` over any async iterator (a task
+pumps it), and :func:`pushed` over an engine's ``submit``, which puts each
+chunk straight into the stream's buffer. The pump task wakes once per engine
+step for every stream (64 wake-ups a step at 64 streams, each through the
+engine's generator), while a paced consumer wakes only to send; pushed, a
+step costs each stream a list append (benchmarks/burst_path.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 _DONE = object()
 
 
-async def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T],
-                    min_interval_s: float = 0.0,
-                    visible: Callable[[T], bool] = lambda item: True) -> AsyncIterator[T]:
-    queue: asyncio.Queue = asyncio.Queue()
+class _Pacer:
+    """One stream's items between its producer and its consumer: a buffer, how the stream ended (``_DONE``
+    or an exception), and the consumer's wait. Pushed from the consumer's event loop's thread."""
+
+    __slots__ = ("items", "end", "is_last", "closed", "_waiter", "_any_item_wakes")
+
+    def __init__(self, is_last: Callable[[object], bool]):
+        self.items: list = []
+        self.end: object = None
+        self.is_last = is_last
+        self.closed = False  # the consumer left: what still comes (an abort's last chunk) is dropped
+        self._waiter: asyncio.Future | None = None
+        self._any_item_wakes = True
+
+    def put_nowait(self, item) -> None:
+        if self.closed or self.end is not None:
+            return
+        if isinstance(item, BaseException):
+            self.end = item
+        else:
+            self.items.append(item)
+            if self.is_last(item):
+                self.end = _DONE
+        self._wake()
+
+    def finish(self) -> None:
+        if self.end is None:
+            self.end = _DONE
+            self._wake()
+
+    def _wake(self) -> None:
+        # during a pacing wait only the end wakes the consumer: the rest joins the next message
+        w = self._waiter
+        if w is not None and not w.done() and (self._any_item_wakes or self.end is not None):
+            w.set_result(None)
+
+    async def wait(self, any_item: bool, timeout_s: float | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        self._any_item_wakes = any_item
+        self._waiter = fut = loop.create_future()
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _set_done, fut)
+        try:
+            await fut
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+
+def _set_done(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _paced(pacer: _Pacer, merge: Callable[[list[T]], T], min_interval_s: float,
+                 visible: Callable[[T], bool], start: Callable[[], None],
+                 on_close: Callable[[], Awaitable[None]]) -> AsyncIterator[T]:
+    start()  # at the first __anext__, as a generator's first step; what it raises ends the stream
     loop = asyncio.get_running_loop()
     last_out = float("-inf")
-    ended = False
-    wake: asyncio.Future | None = None  # the consumer's pacing wait, which the source's end cuts short
-
-    def source_ended(last) -> None:
-        nonlocal ended
-        queue.put_nowait(last)
-        ended = True
-        if wake is not None and not wake.done():
-            wake.set_result(None)
-
-    async def pump():
-        try:
-            async for item in source:
-                queue.put_nowait(item)
-            source_ended(_DONE)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # delivered to the consumer, in order
-            source_ended(e)
-
-    task = loop.create_task(pump())
     try:
         while True:
-            batch = [await queue.get()]
+            if not pacer.items and pacer.end is None:
+                await pacer.wait(any_item=True)
             wait_s = last_out + min_interval_s - loop.time()
-            if wait_s > 0 and not ended and batch[0] is not _DONE and not isinstance(batch[0], BaseException):
+            if wait_s > 0 and pacer.end is None:
                 # let more tokens join this message, until the interval is up or the source ends
-                wake = loop.create_future()
-                timer = loop.call_later(wait_s, lambda f=wake: f.done() or f.set_result(None))
-                try:
-                    await wake
-                finally:
-                    timer.cancel()
-                    wake = None
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            end = next((i for i, x in enumerate(batch) if x is _DONE or isinstance(x, BaseException)), None)
-            items = batch if end is None else batch[:end]
+                await pacer.wait(any_item=False, timeout_s=wait_s)
+            items, pacer.items = pacer.items, []
             if items:
                 merged = merge(items)
                 yield merged
@@ -82,12 +114,50 @@ async def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T],
                 # load they are common, and unpaced they would multiply the messages again)
                 if last_out > float("-inf") or visible(merged):
                     last_out = loop.time()
-            if end is not None:
-                if isinstance(batch[end], BaseException):
-                    raise batch[end]
+            if pacer.end is not None and not pacer.items:
+                if isinstance(pacer.end, BaseException):
+                    raise pacer.end
                 return
     finally:
-        # consumer gone (finished, cancelled, disconnected): stop the producer,
-        # whose own cleanup aborts the generation
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        pacer.closed = True
+        await on_close()
+
+
+def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T], min_interval_s: float = 0.0,
+              visible: Callable[[T], bool] = lambda item: True) -> AsyncIterator[T]:
+    """``source`` paced; closing the result (finished, cancelled, disconnected) cancels the task reading
+    ``source``, whose own cleanup aborts the generation."""
+    pacer = _Pacer(lambda item: False)
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                pacer.put_nowait(item)
+            pacer.finish()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # delivered to the consumer, after what came before it
+            pacer.put_nowait(e)
+
+    tasks: list[asyncio.Task] = []
+
+    async def stop_pump() -> None:
+        tasks[0].cancel()
+        await asyncio.gather(tasks[0], return_exceptions=True)
+
+    return _paced(pacer, merge, min_interval_s, visible,
+                  lambda: tasks.append(asyncio.get_running_loop().create_task(pump())), stop_pump)
+
+
+def pushed(engine, request, merge: Callable[[list[T]], T], min_interval_s: float = 0.0,
+           visible: Callable[[T], bool] = lambda item: True) -> AsyncIterator[T]:
+    """A request's chunks from ``engine.submit`` (a backend with ``supports_submit``), paced as
+    :func:`coalesced` paces them; an admission error raises from the first ``__anext__``, as from
+    ``generate``. Closing it before the last chunk aborts the request."""
+    pacer = _Pacer(lambda chunk: chunk.finish_reason is not None)
+
+    async def abort_unless_ended() -> None:
+        if pacer.end is None:
+            await engine.abort(request.request_id)
+
+    return _paced(pacer, merge, min_interval_s, visible, lambda: engine.submit(request, pacer), abort_unless_ended)

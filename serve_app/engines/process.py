@@ -64,16 +64,21 @@ _HEALTH_TIMEOUT_S = 10.0
 _SHUTDOWN_TIMEOUT_S = 30.0
 
 
-class _RequestQueue(asyncio.Queue):
-    """One request's items from the child; `started` once the child sent anything for it."""
+class _Route:
+    """Where one request's items from the child go (a ``generate`` stream's queue, or a ``submit`` sink);
+    ``started`` once the child sent anything for it."""
 
-    started = False
+    __slots__ = ("sink", "started")
+
+    def __init__(self, sink):
+        self.sink, self.started = sink, False
 
 
 class SeparateProcessEngine(Engine):
     """The engine contract, served by a registered backend running in a child process."""
 
     name = "separate-process"
+    supports_submit = True  # whatever the backend: the child relays either way
     options_model = BaseModel  # not registered by name: it wraps a backend that is
 
     def __init__(self, backend: str, options: BaseModel, parallel: ParallelConfig | None = None):
@@ -89,7 +94,7 @@ class SeparateProcessEngine(Engine):
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready_fut: asyncio.Future | None = None
-        self._queues: dict[str, _RequestQueue] = {}
+        self._queues: dict[str, _Route] = {}
         self._health: dict[int, asyncio.Future] = {}
         self._health_seq = 0
         self._stats = EngineStats()
@@ -204,8 +209,8 @@ class SeparateProcessEngine(Engine):
         rid = request.request_id
         if rid in self._queues:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        queue = _RequestQueue()
-        self._queues[rid] = queue
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = _Route(queue)
         ended = False
         try:
             self._send(("generate", request))
@@ -225,6 +230,19 @@ class SeparateProcessEngine(Engine):
                     self._send(("abort", rid))
                 except EngineNotReadyError:
                     pass
+
+    def submit(self, request: GenerationRequest, sink) -> None:
+        if not self._started or self._gone is not None:
+            raise EngineNotReadyError(self._gone or "engine is not ready")
+        rid = request.request_id
+        if rid in self._queues:
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        self._queues[rid] = _Route(sink)
+        try:
+            self._send(("generate", request))
+        except EngineNotReadyError:
+            self._queues.pop(rid, None)
+            raise
 
     async def abort(self, request_id: str) -> None:
         if self._gone is None:
@@ -261,11 +279,14 @@ class SeparateProcessEngine(Engine):
         kind = msg[0]
         if kind == "out":
             _, items, stats, child_gc = msg
+            queues = self._queues
             for rid, item in items:
-                queue = self._queues.get(rid)
-                if queue is not None:  # else: the consumer left; its abort is on the way
-                    queue.started = True
-                    queue.put_nowait(item)
+                route = queues.get(rid)
+                if route is not None:  # else: the consumer left; its abort is on the way
+                    route.started = True
+                    route.sink.put_nowait(item)
+                    if isinstance(item, BaseException) or item.finish_reason is not None:
+                        del queues[rid]  # its last item (a submitted request has no generator to pop it)
             if stats is not None:
                 self._stats = stats
             if child_gc is not None:
@@ -291,10 +312,11 @@ class SeparateProcessEngine(Engine):
                 pass
             self._conn.close()
             self._conn = None
-        for queue in self._queues.values():
+        routes, self._queues = self._queues, {}
+        for route in routes.values():
             # a request the child sent nothing for never started (it may have been sent after the child
             # died, before its socket's end was read): not ready, and retryable, like one that arrives later
-            queue.put_nowait(EngineError(reason) if queue.started else EngineNotReadyError(reason))
+            route.sink.put_nowait(EngineError(reason) if route.started else EngineNotReadyError(reason))
         for fut in self._health.values():
             if not fut.done():
                 fut.set_result(reason)
