@@ -34,7 +34,9 @@ Pushed chunks (optional, ``supports_submit``)
     generating arrives as the exception instead of the last chunk. Admission
     errors raise from ``submit`` itself. There is no iterator to close, so
     only :meth:`Engine.abort` stops the request. The engine process's relay
-    uses it to forward a whole engine step as one message.
+    uses it to forward a whole engine step as one message, and the replica
+    (:func:`serve_app.deployments.coalesce.pushed`) to buffer each stream's
+    chunks without a task that wakes for every one.
 """
 
 from __future__ import annotations
