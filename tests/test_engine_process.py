@@ -2,6 +2,7 @@
 boundary, without Ray (real child processes, real SmolLM2), then inside a real Ray Serve replica."""
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -26,6 +27,17 @@ from tests.conftest import deploy_app, smol_config, wait_for
 QUESTION = "What is the capital of France? Answer in one word."
 SMOL_OPTS = {"model": "embedded:smollm2-135m-instruct", "device": "cpu", "max_num_seqs": 8,
              "max_waiting_requests": 8, "max_model_len": 2048}
+
+
+@contextlib.asynccontextmanager
+async def null_child(**options):
+    """A started null engine in a process of its own (no model cost), shut down after."""
+    eng = create_engine("null", options, process="separate")
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.shutdown()
 
 
 async def run(engine, rid, ids, **sampling):
@@ -216,9 +228,7 @@ async def test_overload_crosses_as_429_error_type():
 
 @pytest.mark.asyncio
 async def test_a_dead_child_fails_open_streams_and_health_not_silently():
-    eng = create_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate")
-    await eng.start()
-    try:
+    async with null_child(num_tokens=100, tokens_per_s=20) as eng:
         await eng.check_health()
         gen = eng.generate(GenerationRequest("doomed", eng.encode_text("hi"), SamplingParams(max_tokens=100)))
         await gen.__anext__()
@@ -231,15 +241,11 @@ async def test_a_dead_child_fails_open_streams_and_health_not_silently():
         with pytest.raises(EngineNotReadyError):
             await run(eng, "later", eng.encode_text("hi"))
         assert eng.stats().healthy is False
-    finally:
-        await eng.shutdown()
 
 
 @pytest.mark.asyncio
 async def test_a_request_the_dead_child_never_answered_is_not_ready_not_failed():
-    eng = create_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate")
-    await eng.start()
-    try:
+    async with null_child(num_tokens=100, tokens_per_s=20) as eng:
         proc = eng._proc
         os.kill(proc.pid, signal.SIGSTOP)  # the request reaches the socket, never the engine
         gen = eng.generate(GenerationRequest("unseen", eng.encode_text("hi"), SamplingParams(max_tokens=5)))
@@ -250,8 +256,6 @@ async def test_a_request_the_dead_child_never_answered_is_not_ready_not_failed()
         with pytest.raises(EngineNotReadyError, match="exited"):
             await first
         assert eng.stats().healthy is False
-    finally:
-        await eng.shutdown()
 
 
 # ---- pushed: the replica's streams over submit() (serve_app/deployments/coalesce.pushed) ----------------
@@ -262,9 +266,7 @@ def _paced_stream(eng, rid, ids, max_tokens, interval_s=0.0):
 
 @pytest.mark.asyncio
 async def test_a_pushed_stream_paces_a_submitted_request_as_a_coalesced_one():
-    eng = create_engine("null", {"num_tokens": 40, "tokens_per_s": 200, "token_text": "x"}, process="separate")
-    await eng.start()
-    try:
+    async with null_child(num_tokens=40, tokens_per_s=200, token_text="x") as eng:
         assert eng.supports_submit
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -276,15 +278,11 @@ async def test_a_pushed_stream_paces_a_submitted_request_as_a_coalesced_one():
         gaps = [b - a for (a, _), (b, _) in zip(out[1:-1], out[2:-1])]
         assert all(g >= 0.045 for g in gaps), gaps
         assert not eng._queues  # the route went with the last chunk: a submitted request has no generator
-    finally:
-        await eng.shutdown()
 
 
 @pytest.mark.asyncio
 async def test_closing_a_pushed_stream_aborts_the_request_in_the_child():
-    eng = create_engine("null", {"num_tokens": 500, "tokens_per_s": 50}, process="separate")
-    await eng.start()
-    try:
+    async with null_child(num_tokens=500, tokens_per_s=50) as eng:
         stream = _paced_stream(eng, "gone", [1, 2], 500)
         await stream.__anext__()
         await stream.aclose()  # a client that disconnects
@@ -299,15 +297,11 @@ async def test_closing_a_pushed_stream_aborts_the_request_in_the_child():
             await _paced_stream(eng, "twice", [1], 5).__anext__()
         await live.aclose()
         assert await _eventually(lambda: eng.stats().num_running == 0 and not eng._queues)
-    finally:
-        await eng.shutdown()
 
 
 @pytest.mark.asyncio
 async def test_a_dead_child_fails_a_pushed_stream():
-    eng = create_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate")
-    await eng.start()
-    try:
+    async with null_child(num_tokens=100, tokens_per_s=20) as eng:
         stream = _paced_stream(eng, "doomed", [1], 100)
         await stream.__anext__()
         os.kill(eng._proc.pid, signal.SIGKILL)
@@ -316,8 +310,6 @@ async def test_a_dead_child_fails_a_pushed_stream():
                 pass
         with pytest.raises(EngineNotReadyError):
             await _paced_stream(eng, "later", [1], 5).__anext__()
-    finally:
-        await eng.shutdown()
 
 
 @pytest.mark.asyncio
