@@ -6,6 +6,7 @@ session shares it and is mounted under its own route prefix.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -23,6 +24,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def started_engine(backend: str, options: dict, process: str = "inline"):
+    """An engine as a replica creates it (``create_engine``), started, and shut down after."""
+    from serve_app.engines.registry import create_engine
+
+    eng = create_engine(backend, options, process=process)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.shutdown()
 
 
 @pytest.fixture(scope="session")

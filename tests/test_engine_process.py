@@ -2,7 +2,6 @@
 boundary, without Ray (real child processes, real SmolLM2), then inside a real Ray Serve replica."""
 
 import asyncio
-import contextlib
 import os
 import signal
 
@@ -22,22 +21,11 @@ from serve_app.errors import (
     InvalidRequestError,
     OverloadedError,
 )
-from tests.conftest import deploy_app, smol_config, wait_for
+from tests.conftest import deploy_app, smol_config, started_engine, wait_for
 
 QUESTION = "What is the capital of France? Answer in one word."
 SMOL_OPTS = {"model": "embedded:smollm2-135m-instruct", "device": "cpu", "max_num_seqs": 8,
              "max_waiting_requests": 8, "max_model_len": 2048}
-
-
-@contextlib.asynccontextmanager
-async def null_child(**options):
-    """A started null engine in a process of its own (no model cost), shut down after."""
-    eng = create_engine("null", options, process="separate")
-    await eng.start()
-    try:
-        yield eng
-    finally:
-        await eng.shutdown()
 
 
 async def run(engine, rid, ids, **sampling):
@@ -148,9 +136,8 @@ async def test_concurrent_streams_share_the_child_batch_and_stats_come_back(smol
 @pytestmark_async
 async def test_a_backend_without_submit_streams_through_the_child_by_generator():
     # the null engine has no submit(): the child's relay iterates its generate() instead (hf pushes, above)
-    null = create_engine("null", {"num_tokens": 5, "tokens_per_s": 1000, "token_text": "x"}, process="separate")
-    await null.start()
-    try:
+    async with started_engine("null", {"num_tokens": 5, "tokens_per_s": 1000, "token_text": "x"},
+                              process="separate") as null:
         assert not get_engine_class("null").supports_submit and get_engine_class("hf").supports_submit
         chunks = await run(null, "n", [1, 2, 3], max_tokens=5)
         assert "".join(c.text for c in chunks) == "xxxxx" and chunks[-1].finish_reason == "length"
@@ -164,8 +151,6 @@ async def test_a_backend_without_submit_streams_through_the_child_by_generator()
             null.update_options({"token_text": "z", "tokens_per_s": -1})
         assert null.options.token_text == "y"
         assert "".join(c.text for c in await run(null, "n3", [1, 2, 3], max_tokens=5)) == "yyyyy"
-    finally:
-        await null.shutdown()
 
 
 @pytestmark_async
@@ -209,10 +194,8 @@ async def _eventually(pred, timeout_s: float = 10.0):
 # ---- faults (null backend: no model cost) ----------------------------------------
 @pytest.mark.asyncio
 async def test_overload_crosses_as_429_error_type():
-    eng = create_engine("null", {"num_tokens": 50, "tokens_per_s": 20, "max_num_seqs": 1,
-                                 "max_waiting_requests": 1}, process="separate")
-    await eng.start()
-    try:
+    async with started_engine("null", {"num_tokens": 50, "tokens_per_s": 20, "max_num_seqs": 1,
+                                       "max_waiting_requests": 1}, process="separate") as eng:
         ids = eng.encode_text("hi")
         first = eng.generate(GenerationRequest("r1", ids, SamplingParams(max_tokens=50)))
         await first.__anext__()  # running
@@ -222,13 +205,11 @@ async def test_overload_crosses_as_429_error_type():
             await run(eng, "r3", ids, max_tokens=5)
         await first.aclose()
         assert (await second)[-1].finish_reason == "length"
-    finally:
-        await eng.shutdown()
 
 
 @pytest.mark.asyncio
 async def test_a_dead_child_fails_open_streams_and_health_not_silently():
-    async with null_child(num_tokens=100, tokens_per_s=20) as eng:
+    async with started_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate") as eng:
         await eng.check_health()
         gen = eng.generate(GenerationRequest("doomed", eng.encode_text("hi"), SamplingParams(max_tokens=100)))
         await gen.__anext__()
@@ -245,7 +226,7 @@ async def test_a_dead_child_fails_open_streams_and_health_not_silently():
 
 @pytest.mark.asyncio
 async def test_a_request_the_dead_child_never_answered_is_not_ready_not_failed():
-    async with null_child(num_tokens=100, tokens_per_s=20) as eng:
+    async with started_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate") as eng:
         proc = eng._proc
         os.kill(proc.pid, signal.SIGSTOP)  # the request reaches the socket, never the engine
         gen = eng.generate(GenerationRequest("unseen", eng.encode_text("hi"), SamplingParams(max_tokens=5)))
@@ -266,7 +247,8 @@ def _paced_stream(eng, rid, ids, max_tokens, interval_s=0.0):
 
 @pytest.mark.asyncio
 async def test_a_pushed_stream_paces_a_submitted_request_as_a_coalesced_one():
-    async with null_child(num_tokens=40, tokens_per_s=200, token_text="x") as eng:
+    async with started_engine("null", {"num_tokens": 40, "tokens_per_s": 200, "token_text": "x"},
+                              process="separate") as eng:
         assert eng.supports_submit
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -282,7 +264,7 @@ async def test_a_pushed_stream_paces_a_submitted_request_as_a_coalesced_one():
 
 @pytest.mark.asyncio
 async def test_closing_a_pushed_stream_aborts_the_request_in_the_child():
-    async with null_child(num_tokens=500, tokens_per_s=50) as eng:
+    async with started_engine("null", {"num_tokens": 500, "tokens_per_s": 50}, process="separate") as eng:
         stream = _paced_stream(eng, "gone", [1, 2], 500)
         await stream.__anext__()
         await stream.aclose()  # a client that disconnects
@@ -301,7 +283,7 @@ async def test_closing_a_pushed_stream_aborts_the_request_in_the_child():
 
 @pytest.mark.asyncio
 async def test_a_dead_child_fails_a_pushed_stream():
-    async with null_child(num_tokens=100, tokens_per_s=20) as eng:
+    async with started_engine("null", {"num_tokens": 100, "tokens_per_s": 20}, process="separate") as eng:
         stream = _paced_stream(eng, "doomed", [1], 100)
         await stream.__anext__()
         os.kill(eng._proc.pid, signal.SIGKILL)

@@ -7,8 +7,8 @@ import pytest
 
 from serve_app.engines.base import GenerationRequest, SamplingParams
 from serve_app.engines.options import NullEngineOptions
-from serve_app.engines.registry import create_engine
 from serve_app.errors import EngineNotReadyError, OverloadedError
+from tests.conftest import started_engine
 
 
 class Turns:
@@ -40,16 +40,12 @@ async def consume(eng, rid, turns: Turns, max_tokens=100):
 
 async def test_an_abort_is_counted_in_either_timing():
     for options in ({"num_tokens": 100, "tokens_per_s": 50}, {"num_tokens": 100, "step_ms": 20}):
-        eng = create_engine("null", options)
-        await eng.start()
-        try:
+        async with started_engine("null", options) as eng:
             gen = eng.generate(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=100)))
             await gen.__anext__()
             await eng.abort("a")
             assert [c.finish_reason async for c in gen][-1] == "abort"
             assert eng.stats().aborted_requests == 1 and eng.stats().num_running == 0, options
-        finally:
-            await eng.shutdown()
 
 
 def test_one_timing_at_a_time():
@@ -60,9 +56,8 @@ def test_one_timing_at_a_time():
 
 @pytest.mark.parametrize("first_tokens_first", [True, False])
 async def test_a_step_hands_out_every_row_together_and_the_new_ones_in_the_order_asked(first_tokens_first):
-    eng = create_engine("null", {"num_tokens": 6, "step_ms": 20, "first_tokens_first": first_tokens_first})
-    await eng.start()
-    try:
+    options = {"num_tokens": 6, "step_ms": 20, "first_tokens_first": first_tokens_first}
+    async with started_engine("null", options) as eng:
         turns = Turns()
         rows = [asyncio.create_task(consume(eng, f"row{i}", turns)) for i in range(3)]
         while len(turns.turns) < 2:
@@ -79,23 +74,17 @@ async def test_a_step_hands_out_every_row_together_and_the_new_ones_in_the_order
         stats = eng.stats()
         assert stats.generated_tokens == 24 and stats.num_running == 0 and stats.num_waiting == 0
         assert stats.forward_passes == len(turns.turns)
-    finally:
-        await eng.shutdown()
 
 
 @pytest.mark.parametrize("finishing_first", [True, False])
 async def test_a_step_hands_out_the_tokens_that_end_requests_before_the_other_rows(finishing_first):
-    eng = create_engine("null", {"num_tokens": 6, "step_ms": 10, "finishing_first": finishing_first})
-    await eng.start()
-    try:
+    async with started_engine("null", {"num_tokens": 6, "step_ms": 10, "finishing_first": finishing_first}) as eng:
         turns = Turns()
         await asyncio.gather(consume(eng, "row0", turns), consume(eng, "row1", turns),
                              consume(eng, "short", turns, max_tokens=3))
         ending = next(t for t in turns.turns if ("short", 3) in t)
         assert ending == ([("short", 3), ("row0", 3), ("row1", 3)] if finishing_first
                           else [("row0", 3), ("row1", 3), ("short", 3)])
-    finally:
-        await eng.shutdown()
 
 
 async def test_with_a_lead_a_request_after_the_pick_waits_a_step_more():
@@ -103,9 +92,7 @@ async def test_with_a_lead_a_request_after_the_pick_waits_a_step_more():
     # same, so a reply slower than the window left misses a step here as on a GPU
     with pytest.raises(ValueError, match="must be under step_ms"):
         NullEngineOptions(step_ms=5, launch_lead_ms=5)
-    eng = create_engine("null", {"num_tokens": 1000, "step_ms": 200, "launch_lead_ms": 100})
-    await eng.start()
-    try:
+    async with started_engine("null", {"num_tokens": 1000, "step_ms": 200, "launch_lead_ms": 100}) as eng:
         turns = Turns()
         row = asyncio.create_task(consume(eng, "row", turns, max_tokens=1000))
 
@@ -129,14 +116,11 @@ async def test_with_a_lead_a_request_after_the_pick_waits_a_step_more():
         assert eng.stats().forward_passes == len(turns.turns)
         await eng.abort("row")
         assert (await row).finish_reason == "abort"
-    finally:
-        await eng.shutdown()
 
 
 async def test_stepped_requests_abort_leave_and_meet_the_bounds():
-    eng = create_engine("null", {"num_tokens": 1000, "step_ms": 5, "max_num_seqs": 1, "max_waiting_requests": 1})
-    await eng.start()
-    try:
+    options = {"num_tokens": 1000, "step_ms": 5, "max_num_seqs": 1, "max_waiting_requests": 1}
+    async with started_engine("null", options) as eng:
         turns = Turns()
         running = asyncio.create_task(consume(eng, "running", turns, max_tokens=1000))
         while eng.stats().num_running == 0:
@@ -161,7 +145,5 @@ async def test_stepped_requests_abort_leave_and_meet_the_bounds():
         stuck = asyncio.create_task(consume(eng, "stuck", turns, max_tokens=1000))
         while eng.stats().num_running == 0:
             await asyncio.sleep(0.001)
-    finally:
-        await eng.shutdown()
     with pytest.raises(EngineNotReadyError):
         await asyncio.wait_for(stuck, 5)
