@@ -2,7 +2,7 @@
 
     python benchmarks/burst_path.py [--streams 64] [--tokens 16] [--step-ms 20] [--rounds 40] [--pairs 2]
         [--paths engine stack] [--set KEY=JSON] [--compare KEY=JSON] [--think-ms MEAN] [--http-proxy haproxy]
-        [--out FILE]
+        [--stream-interval-ms MS] [--consumer generate|coalesced|pushed] [--out FILE]
 
 A GPU engine hands out a pass's tokens together: at 64 streams 64 chunks at once, every ~5.8 ms on an H200,
 and every hop to the client (the engine process's relay, the replica, its HTTP stream, the client) takes them in
@@ -84,18 +84,11 @@ def engine_options(args) -> dict:
 def engine_stream(engine, req, consumer: str, interval_s: float):
     """A request's chunks as ``consumer`` reads them: the engine's generator as is, or paced as a replica
     paces them (serve_app/deployments/coalesce: ``coalesced`` over the generator, ``pushed`` over submit)."""
-    from serve_app.deployments.coalesce import coalesced, pushed
-    from serve_app.engines.base import merge_chunks
+    from serve_app.deployments.coalesce import engine_chunks
 
     if consumer == "generate":
         return engine.generate(req)
-    if consumer == "coalesced":
-        return coalesced(engine.generate(req), merge_chunks, interval_s, _has_text)
-    return pushed(engine, req, merge_chunks, interval_s, _has_text)
-
-
-def _has_text(chunk) -> bool:
-    return bool(chunk.text)
+    return engine_chunks(engine, req, interval_s, push=consumer == "pushed")
 
 
 async def engine_one(engine, prompt: list[int], tokens: int, consumer: str = "generate",

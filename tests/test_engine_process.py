@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 
 from serve_app.config import parse_config
-from serve_app.deployments.coalesce import pushed
-from serve_app.engines.base import GenerationRequest, SamplingParams, merge_chunks
+from serve_app.deployments.coalesce import engine_chunks
+from serve_app.engines.base import GenerationRequest, SamplingParams
 from serve_app.engines.registry import create_engine, get_engine_class
 from serve_app.errors import (
     ContextLengthExceededError,
@@ -241,8 +241,8 @@ async def test_a_request_the_dead_child_never_answered_is_not_ready_not_failed()
 
 # ---- pushed: the replica's streams over submit() (serve_app/deployments/coalesce.pushed) ----------------
 def _paced_stream(eng, rid, ids, max_tokens, interval_s=0.0):
-    return pushed(eng, GenerationRequest(rid, ids, SamplingParams(max_tokens=max_tokens)), merge_chunks,
-                  interval_s, lambda c: bool(c.text))
+    return engine_chunks(eng, GenerationRequest(rid, ids, SamplingParams(max_tokens=max_tokens)), interval_s,
+                         push=True)
 
 
 @pytest.mark.asyncio

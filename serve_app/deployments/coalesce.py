@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
+from serve_app.engines.base import merge_chunks
+
 T = TypeVar("T")
 _DONE = object()
 
@@ -161,3 +163,16 @@ def pushed(engine, request, merge: Callable[[list[T]], T], min_interval_s: float
             await engine.abort(request.request_id)
 
     return _paced(pacer, merge, min_interval_s, visible, lambda: engine.submit(request, pacer), abort_unless_ended)
+
+
+def _has_text(chunk) -> bool:
+    return bool(chunk.text)
+
+
+def engine_chunks(engine, request, min_interval_s: float = 0.0, push: bool | None = None) -> AsyncIterator:
+    """A request's engine chunks paced for its stream, merged while the consumer waits; pacing starts at the
+    first chunk with text. Through ``submit`` where the engine has it (``push`` None), else its generator;
+    ``push`` forces one way (benchmarks/burst_path.py compares them)."""
+    if engine.supports_submit if push is None else push:
+        return pushed(engine, request, merge_chunks, min_interval_s, _has_text)
+    return coalesced(engine.generate(request), merge_chunks, min_interval_s, _has_text)

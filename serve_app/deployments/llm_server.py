@@ -23,17 +23,13 @@ from cluster.nccl import detect
 from cluster.placement import replica_placement, start_rank_workers
 from serve_app.config import NcclSpec, TracingSettings
 from serve_app.tracing import extract, make_provider
-from serve_app.engines.base import GenerationRequest, ParallelConfig, SamplingParams, merge_chunks
+from serve_app.engines.base import GenerationRequest, ParallelConfig, SamplingParams
 from serve_app.engines.registry import create_engine
 from serve_app.errors import InvalidRequestError
-from serve_app.deployments.coalesce import coalesced, pushed
+from serve_app.deployments.coalesce import engine_chunks
 from serve_app.internal import Completion, Delta, InferenceRequest
 
 log = logging.getLogger("seekserve.llm_server")
-
-
-def _has_text(chunk) -> bool:
-    return bool(chunk.text)
 
 
 class LLMServer:
@@ -172,10 +168,7 @@ class LLMServer:
         first = True
         # coalesced as engine chunks, before the per-chunk work below (metrics, deltas, the Ray message):
         # under load that work is paid once per message rather than once per token
-        if self.engine.supports_submit:
-            chunks = pushed(self.engine, greq, merge_chunks, interval_s, _has_text)
-        else:
-            chunks = coalesced(self.engine.generate(greq), merge_chunks, interval_s, _has_text)
+        chunks = engine_chunks(self.engine, greq, interval_s)
         try:
             async for c in chunks:
                 now = time.monotonic()

@@ -204,16 +204,11 @@ class SeparateProcessEngine(Engine):
 
     # ---- requests ---------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineChunk]:
-        if not self._started or self._gone is not None:
-            raise EngineNotReadyError(self._gone or "engine is not ready")
         rid = request.request_id
-        if rid in self._queues:
-            raise InvalidRequestError(f"duplicate request id {rid!r}")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = _Route(queue)
+        self.submit(request, queue)
         ended = False
         try:
-            self._send(("generate", request))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
