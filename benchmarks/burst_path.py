@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import _option, _options, compare_tag, concurrent_load, prompt_draw  # noqa: E402
 from benchmarks.gpu_stack import ClientLag, http_one, replica_handle  # noqa: E402
-from benchmarks.loadgen import add_http_proxy_arg, free_port, percentile, save_json  # noqa: E402
+from benchmarks.loadgen import add_http_proxy_arg, free_port, percentile, save_json, stat_cpu_s  # noqa: E402
 
 _ids = itertools.count()
 
@@ -64,10 +64,9 @@ class ProcCpu:
     @staticmethod
     def _cpu_s(pid: int) -> float:
         try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
+            return stat_cpu_s(f"/proc/{pid}/stat")
+        except OSError:  # the process is gone
             return float("nan")
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def __enter__(self):
         self._t0 = {k: self._cpu_s(pid) for k, pid in self.pids.items()}

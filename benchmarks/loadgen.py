@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import statistics
 import time
@@ -75,6 +76,13 @@ def save_json(path, obj) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(obj, indent=2))
+
+
+def stat_cpu_s(stat_path: str) -> float:
+    """User + system CPU seconds from a /proc ``stat`` file: a process's (/proc/PID/stat) or one thread's
+    (/proc/PID/task/TID/stat). The command name in parentheses may hold spaces, so fields count from its end."""
+    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(xs, p):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,13 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import save_json  # noqa: E402
+from benchmarks.loadgen import save_json, stat_cpu_s  # noqa: E402
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:
-    """User + system CPU seconds of one thread, from /proc."""
-    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of one thread."""
+    return stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
 
 
 async def load(engine, streams: int, tokens: int, tag: str) -> int:

@@ -141,14 +141,17 @@ def coalesced(source: AsyncIterator[T], merge: Callable[[list[T]], T], min_inter
         except BaseException as e:  # delivered to the consumer, after what came before it
             pacer.put_nowait(e)
 
-    tasks: list[asyncio.Task] = []
+    task: asyncio.Task | None = None
 
-    async def stop_pump() -> None:
-        tasks[0].cancel()
-        await asyncio.gather(tasks[0], return_exceptions=True)
+    def start_pump() -> None:  # at the stream's first read: a stream never read reads nothing
+        nonlocal task
+        task = asyncio.get_running_loop().create_task(pump())
 
-    return _paced(pacer, merge, min_interval_s, visible,
-                  lambda: tasks.append(asyncio.get_running_loop().create_task(pump())), stop_pump)
+    async def stop_pump() -> None:  # only after start_pump: _paced's cleanup runs once it has started
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return _paced(pacer, merge, min_interval_s, visible, start_pump, stop_pump)
 
 
 def pushed(engine, request, merge: Callable[[list[T]], T], min_interval_s: float = 0.0,
