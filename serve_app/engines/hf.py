@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from serve_app.errors import (
     ContextLengthExceededError,
@@ -710,14 +710,8 @@ class HFEngine(HFTokenization, Engine):
         first = prompted[0] if prompted and prompted[0].fast_sampling else None
         launched = self._after_launch(busy, rows, *(t[:rows] for t in step), kind=("mixed", key), start=began,
                                       first=(first, prompt_logits) if first is not None else None)
-        if prompted and first is None:
-            self._read_inflight()
-            self._inflight = launched
-            self._first_tokens(prompted, prompt_logits)
-            if self._slots.device.type != "cuda":
-                self._read_inflight()
-            return
-        self._hand_over(launched)
+        host_first = (lambda: self._first_tokens(prompted, prompt_logits)) if prompted and first is None else None
+        self._hand_over(launched, then=host_first)
 
     def _prefill_static(self, new: list[_Seq]) -> None:
         self._start_static(new)
@@ -761,15 +755,18 @@ class HFEngine(HFTokenization, Engine):
         return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)),
                                   kind=("decode", self._slots.decode_key(rows, span)), start=start)
 
-    def _hand_over(self, launched: _InFlight) -> None:
+    def _hand_over(self, launched: _InFlight, then: Callable[[], None] | None = None) -> None:
         """The pass just launched becomes the one in flight once the previous one is read (its tokens handed
-        out while this one runs); without CUDA it is read at once."""
+        out while this one runs); without CUDA it is read at once. ``then`` runs in between (a prompt's
+        first token sampled on the host, which waits for the pass)."""
         self._read_inflight()
         # the GPU starts a pass when the one before it ends, or when it is launched onto an idle GPU
         free = self._gpu_free_s
         launched.started_s = max(launched.launched_s, free) if free is not None else launched.launched_s
         launched.started_exact = free is not None and free >= launched.launched_s
         self._inflight = launched
+        if then is not None:
+            then()
         if self._slots.device.type != "cuda":
             self._read_inflight()
 
