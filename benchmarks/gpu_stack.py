@@ -342,6 +342,17 @@ def client_gc_text(cl: dict) -> str:
     return f"; its full collections {cl['gc_collections'][2]}, longest {cl['gc_pause_max_ms'][2]:.1f} ms"
 
 
+def ttft_spread(load: dict) -> tuple | None:
+    """TTFT p25, p50, p75 over a load's requests, and the p50 of those started after its first wave's last
+    arrival, from its per-request records (ms; None where the file has none)."""
+    records = load.get("per_request")
+    if not records:
+        return None
+    ttft = [r[1] for r in records]
+    later = [r[1] for r in records if r[0] > load.get("first_wave_last_arrival_s", 0.0)]
+    return (*(percentile(ttft, q) for q in (25, 50, 75)), percentile(later, 50) if later else float("nan"))
+
+
 def print_loads(res: dict, alone: dict | None, args) -> None:
     """The rows of each load: the stack's figures against the engine alone's."""
     for key, _, _, at in loads(args):
@@ -368,6 +379,12 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
               f"{a.get('ttft_text_p50_ms', float('nan')):>10.1f}{added}")
         print(f"{f'TTFT p95 {at} (ms)':<34}{c['ttft_p95_ms']:>10.1f}"
               f"{a.get('ttft_text_p95_ms', float('nan')):>10.1f}")
+        spread = [ttft_spread(r) for r in (c, a)]
+        if all(spread):
+            # the TTFTs have two humps (admitted in the next pass, or behind several-prompt passes), so a median
+            # moves several ms between runs: its neighbours and the requests after the first wave say more
+            print("  TTFT p25 / p50 / p75, after the first wave p50 (ms): "
+                  + "; ".join(f"{who} {' / '.join(f'{v:.1f}' for v in sp)}" for who, sp in zip(("stack", "engine"), spread)))
         if c.get("client"):
             cl = c["client"]
             print(f"  the client's own loop: late by p50 / p99 / max {cl['lag_p50_ms']:.2f} / {cl['lag_p99_ms']:.2f} / "

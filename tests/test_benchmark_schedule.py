@@ -112,6 +112,20 @@ def test_the_stack_report_names_where_the_replica_ran_our_code_and_the_clients_l
 
 
 
+def test_the_stack_report_gives_the_ttfts_quartiles_and_the_median_after_the_first_wave(monkeypatch, capsys):
+    # the twenty-third session's runs 99-100 (docs/benchmarks.md): the closed loop, then 20-ms pauses, whose
+    # stack is paired only with the engine file of the same pause
+    engine = "gpu_engine-h200-2026-12-05-6c8a500-AG-mixed512-separate-carriedcache-think{}.json"
+    stack = "gpu_stack-h200-2026-12-05-6c8a500-AG-haproxy-direct-shared-mixed512-separate-think{}-warm.json"
+    out = stack_report(monkeypatch, capsys, engine.format(0), stack.format(0))
+    assert "+2.1 ms" in out and "stack 36.1 / 53.1 / 79.9 / 54.6; engine 38.9 / 51.0 / 95.4 / 51.2" in out
+    out = stack_report(monkeypatch, capsys, engine.format(20), stack.format(20), extra=("--think-ms", "20"))
+    assert "+12.3 ms" in out and "stack 35.9 / 55.6 / 102.0 / 59.7; engine 28.9 / 43.3 / 83.8 / 44.8" in out
+    # a pause of its own against the closed loop's engine: not comparable
+    out = stack_report(monkeypatch, capsys, engine.format(0), stack.format(20), extra=("--think-ms", "20"))
+    assert "not comparable" in out
+
+
 def test_the_stack_report_pairs_the_launch_lead_runs_with_the_engine_under_its_compare(monkeypatch, capsys):
     # the eighteenth session's table (docs/benchmarks.md, runs 83-85): both stack runs against AC's engine in its
     # own process, once as started (no lead) and once under its launch_lead_ms=2 compare
