@@ -259,7 +259,7 @@ async def test_a_pushed_stream_paces_a_submitted_request_as_a_coalesced_one():
         assert len(out) <= 8, [len(c.token_ids) for _, c in out]  # ~0.2 s of tokens, one message per 50 ms
         gaps = [b - a for (a, _), (b, _) in zip(out[1:-1], out[2:-1])]
         assert all(g >= 0.045 for g in gaps), gaps
-        assert not eng._queues  # the route went with the last chunk: a submitted request has no generator
+        assert not eng._routes  # the route went with the last chunk: a submitted request has no generator
 
 
 @pytest.mark.asyncio
@@ -269,7 +269,7 @@ async def test_closing_a_pushed_stream_aborts_the_request_in_the_child():
         await stream.__anext__()
         await stream.aclose()  # a client that disconnects
         assert await _eventually(lambda: eng.stats().aborted_requests == 1 and eng.stats().num_running == 0)
-        assert await _eventually(lambda: not eng._queues)  # the abort's last chunk took the route with it
+        assert await _eventually(lambda: not eng._routes)  # the abort's last chunk took the route with it
         # refused at the first __anext__, as generate() refuses, and nothing is left behind
         with pytest.raises(ContextLengthExceededError):
             await _paced_stream(eng, "long", [1] * 10_000, 5).__anext__()
@@ -278,7 +278,7 @@ async def test_closing_a_pushed_stream_aborts_the_request_in_the_child():
         with pytest.raises(InvalidRequestError, match="duplicate request id"):
             await _paced_stream(eng, "twice", [1], 5).__anext__()
         await live.aclose()
-        assert await _eventually(lambda: eng.stats().num_running == 0 and not eng._queues)
+        assert await _eventually(lambda: eng.stats().num_running == 0 and not eng._routes)
 
 
 @pytest.mark.asyncio

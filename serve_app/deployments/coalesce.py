@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-from serve_app.engines.base import merge_chunks
+from serve_app.engines.base import ends_stream, merge_chunks
 
 T = TypeVar("T")
 _DONE = object()
@@ -159,7 +159,7 @@ def pushed(engine, request, merge: Callable[[list[T]], T], min_interval_s: float
     """A request's chunks from ``engine.submit`` (a backend with ``supports_submit``), paced as
     :func:`coalesced` paces them; an admission error raises from the first ``__anext__``, as from
     ``generate``. Closing it before the last chunk aborts the request."""
-    pacer = _Pacer(lambda chunk: chunk.finish_reason is not None)
+    pacer = _Pacer(ends_stream)
 
     async def abort_unless_ended() -> None:
         if pacer.end is None:

@@ -117,6 +117,13 @@ def merge_chunks(chunks: list[EngineChunk]) -> EngineChunk:
     )
 
 
+def ends_stream(item) -> bool:
+    """Whether ``item`` (a chunk, or the exception a failed request ends with) is its request's last: the chunk
+    with a ``finish_reason`` or the exception. A pushed request's consumer and the engine process's relay stop
+    routing its items there; a step's hand-out ranks its stream as ending."""
+    return isinstance(item, BaseException) or item.finish_reason is not None
+
+
 def handout_order(outbox: list, first_tokens_first: bool = True, finishing_first: bool = True) -> list:
     """One step's ``(stream, chunk or exception)`` pairs in the order a backend hands them out: the streams that
     start (their first chunk) first, then those that end (a finish or an error), then the rest; a stream's own
@@ -128,7 +135,7 @@ def handout_order(outbox: list, first_tokens_first: bool = True, finishing_first
     what it is worth."""
 
     def rank(item) -> int:
-        if isinstance(item, BaseException) or item.finish_reason is not None:
+        if ends_stream(item):
             return 1 if finishing_first else 2
         if item.num_generated_tokens == len(item.token_ids):
             return 0 if first_tokens_first else 3

@@ -52,7 +52,7 @@ from pydantic import BaseModel
 
 from serve_app.errors import EngineError, EngineNotReadyError, InvalidRequestError, SeekserveError
 
-from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ParallelConfig
+from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ParallelConfig, ends_stream
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class SeparateProcessEngine(Engine):
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready_fut: asyncio.Future | None = None
-        self._queues: dict[str, _Route] = {}
+        self._routes: dict[str, _Route] = {}
         self._health: dict[int, asyncio.Future] = {}
         self._health_seq = 0
         self._stats = EngineStats()
@@ -211,15 +211,14 @@ class SeparateProcessEngine(Engine):
         try:
             while True:
                 item = await queue.get()
+                ended = ends_stream(item)
                 if isinstance(item, BaseException):
-                    ended = True
                     raise item
-                ended = item.finish_reason is not None
                 yield item
                 if ended:
                     return
         finally:
-            self._queues.pop(rid, None)
+            self._routes.pop(rid, None)
             if not ended and self._gone is None:
                 try:
                     self._send(("abort", rid))
@@ -230,13 +229,13 @@ class SeparateProcessEngine(Engine):
         if not self._started or self._gone is not None:
             raise EngineNotReadyError(self._gone or "engine is not ready")
         rid = request.request_id
-        if rid in self._queues:
+        if rid in self._routes:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        self._queues[rid] = _Route(sink)
+        self._routes[rid] = _Route(sink)
         try:
             self._send(("generate", request))
         except EngineNotReadyError:
-            self._queues.pop(rid, None)
+            self._routes.pop(rid, None)
             raise
 
     async def abort(self, request_id: str) -> None:
@@ -274,14 +273,14 @@ class SeparateProcessEngine(Engine):
         kind = msg[0]
         if kind == "out":
             _, items, stats, child_gc = msg
-            queues = self._queues
+            routes = self._routes
             for rid, item in items:
-                route = queues.get(rid)
+                route = routes.get(rid)
                 if route is not None:  # else: the consumer left; its abort is on the way
                     route.started = True
                     route.sink.put_nowait(item)
-                    if isinstance(item, BaseException) or item.finish_reason is not None:
-                        del queues[rid]  # its last item (a submitted request has no generator to pop it)
+                    if ends_stream(item):
+                        del routes[rid]  # a submitted request has no generator to remove its route
             if stats is not None:
                 self._stats = stats
             if child_gc is not None:
@@ -307,7 +306,7 @@ class SeparateProcessEngine(Engine):
                 pass
             self._conn.close()
             self._conn = None
-        routes, self._queues = self._queues, {}
+        routes, self._routes = self._routes, {}
         for route in routes.values():
             # a request the child sent nothing for never started (it may have been sent after the child
             # died, before its socket's end was read): not ready, and retryable, like one that arrives later
