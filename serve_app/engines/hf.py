@@ -37,7 +37,7 @@ from serve_app.errors import (
     OverloadedError,
 )
 
-from .base import Engine, EngineChunk, EngineStats, GenerationRequest, handout_order
+from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ends_stream, handout_order
 from .hf_batch import LocalRunner, resolve_device_dtype
 from .launch_timing import GapMeter, PassTimer, launch_wait_s
 from .options import HFEngineOptions
@@ -339,7 +339,7 @@ class HFEngine(HFTokenization, Engine):
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finish_reason is not None:
+                if ends_stream(item):
                     return
         finally:
             if not seq.finished:

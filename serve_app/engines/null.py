@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 from serve_app.errors import ContextLengthExceededError, EngineNotReadyError, OverloadedError
 
-from .base import Engine, EngineChunk, EngineStats, GenerationRequest, handout_order
+from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ends_stream, handout_order
 from .options import NullEngineOptions
 
 _TOKEN_ID = 42
@@ -156,10 +156,9 @@ class NullEngine(Engine):
         try:
             while True:
                 item = await row.queue.get()
+                done = ends_stream(item)
                 if isinstance(item, BaseException):
-                    done = True
                     raise item
-                done = item.finish_reason is not None
                 yield item
                 if done:
                     return
