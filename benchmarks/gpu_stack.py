@@ -18,6 +18,7 @@ import asyncio
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from benchmarks.loadgen import (  # noqa: E402
     add_http_proxy_arg,
     add_ingress_arg,
     add_user_code_loop_arg,
+    bare_client_ttft_s,
     free_port,
     ingress_server_keys,
     percentile,
@@ -42,9 +44,13 @@ from benchmarks.loadgen import (  # noqa: E402
 ADMIN_TOKEN = "gpu-stack-bench"
 
 
-async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
+def stream_body(model: str, prompt: list[int], out_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: int) -> dict:
+    body = stream_body(model, prompt, out_tokens)
     t0 = time.perf_counter()
     first, tokens = None, 0
     async with client.stream("POST", url, json=body) as r:
@@ -78,8 +84,6 @@ async def handle_first_token_ms(prompt: list[int], out_tokens: int, n: int = 5) 
     """Median time to the first delta when the driver calls the LLMServer replica through a Serve
     handle (one Ray hop, no HTTP proxy, no ingress): splits the stack's first-token overhead
     into replica + engine vs proxy + ingress."""
-    import statistics
-
     from serve_app.internal import Delta, InferenceRequest
 
     h = replica_handle()
@@ -164,7 +168,10 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None, start
         steps = sorted((r["e2e_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in singles)
         out["single"] = {"decode_step_ms": 1000 * steps[1],
                          "ttft_ms": 1000 * sorted(r["ttft_s"] for r in singles)[1],
-                         "ttft_via_handle_ms": await handle_first_token_ms(prompt(), args.output)}
+                         "ttft_via_handle_ms": await handle_first_token_ms(prompt(), args.output),
+                         # the same requests from a client that builds and parses nothing: what httpx adds
+                         "ttft_bare_client_ms": 1000 * statistics.median(
+                             await bare_client_ttft_s(url, stream_body(model, prompt(), args.output), 5))}
         if args.warm_rounds:
             await concurrent_load(lambda i, p: http_one(client, url, model, p, args.output), 64,
                                   *prompt_draw(args.prompt, WARM_PROMPT_SEED), args.warm_rounds)
@@ -207,26 +214,31 @@ def loads(args) -> list[tuple[str, int, int, str]]:
 
 def first_token_breakdown(trace_file: Path, window_ns: list[int]) -> dict:
     """Median and p95 (ms) of each leg of the first token's path, over the requests whose ingress span
-    started in the window: ingress -> replica (Serve's router and one Ray hop), the engine's queue,
-    its prefill, replica -> ingress (the first delta's way back). The client's TTFT minus the sum
-    is the HTTP proxy's share."""
+    started in the window: the request's body read and validated (from the app's receipt to the routing:
+    ``parse``), routing -> replica (Serve's router and one Ray hop, none with direct streaming), the
+    engine's queue, its prefill, replica -> ingress (the first delta's way back); ``at_ingress`` is the
+    routing to the first delta. The client's TTFT minus ``parse`` and ``at_ingress`` is the HTTP path's
+    share outside the app (the client's own work, the proxy, the server before the app's middleware)."""
     from serve_app.trace_top import build_trees, read_spans
 
-    legs: dict[str, list[float]] = {"to_replica": [], "engine_queue": [], "engine_prefill": [], "back_to_ingress": [],
-                                     "at_ingress": []}
+    legs: dict[str, list[float]] = {"parse": [], "to_replica": [], "engine_queue": [], "engine_prefill": [],
+                                     "back_to_ingress": [], "at_ingress": []}
     for root in build_trees(read_spans(trace_file)):
         first = root.events.get("seekserve.first_chunk")
         gen = next((c for c in root.children if c.name == "llm_server.generate"), None)
-        if first is None or gen is None or not window_ns[0] <= root.start_ns <= window_ns[1]:
+        route = next((c for c in root.children if c.name == "router.route"), None)
+        if first is None or gen is None or route is None or not window_ns[0] <= root.start_ns <= window_ns[1]:
             continue
         kids = {c.name: c for c in gen.children}
         if "engine.queue" not in kids or "engine.prefill" not in kids:
             continue
-        for leg, ns in (("to_replica", gen.start_ns - root.start_ns),
+        routed_ns = route.start_ns  # the span starts earlier, at the receipt (at the routing before 2026-12-05)
+        for leg, ns in (("parse", routed_ns - root.start_ns),
+                        ("to_replica", gen.start_ns - routed_ns),
                         ("engine_queue", kids["engine.queue"].duration_ns),
                         ("engine_prefill", kids["engine.prefill"].duration_ns),
                         ("back_to_ingress", first - kids["engine.prefill"].end_ns),
-                        ("at_ingress", first - root.start_ns)):
+                        ("at_ingress", first - routed_ns)):
             legs[leg].append(ns / 1e6)
     from benchmarks.loadgen import percentile
 
@@ -395,8 +407,9 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
         legs = c.get("first_token_legs")
         if legs:
             print(f"  first token's legs, p50 / p95 ms ({legs['requests']} traced requests):")
-            for leg in ("to_replica", "engine_queue", "engine_prefill", "back_to_ingress", "at_ingress"):
-                print(f"    {leg:<30}{legs[f'{leg}_p50_ms']:>10.1f}{legs[f'{leg}_p95_ms']:>10.1f}")
+            for leg in ("parse", "to_replica", "engine_queue", "engine_prefill", "back_to_ingress", "at_ingress"):
+                if f"{leg}_p50_ms" in legs:  # raw files before the parse leg have none
+                    print(f"    {leg:<30}{legs[f'{leg}_p50_ms']:>10.1f}{legs[f'{leg}_p95_ms']:>10.1f}")
         for who, r in (("stack", c), ("engine", a)):
             if gap_line(r):
                 print(f"  GPU between passes, {who}: {gap_line(r)}")
@@ -441,7 +454,8 @@ def print_report(res: dict, alone: dict | None, args) -> None:
           f"{(alone or {}).get('single', {}).get('decode_step_ms', float('nan')):>10.2f}")
     print(f"{'single-stream TTFT, first text (ms)':<34}{s['ttft_ms']:>10.1f}"
           f"{(alone or {}).get('single', {}).get('ttft_text_ms', float('nan')):>10.1f}"
-          f"  (driver -> replica handle, no proxy/ingress: {s['ttft_via_handle_ms']:.1f})")
+          f"  (driver -> replica handle, no proxy/ingress: {s['ttft_via_handle_ms']:.1f}"
+          + (f"; bare socket client: {s['ttft_bare_client_ms']:.1f}" if "ttft_bare_client_ms" in s else "") + ")")
     g = res.get("replica_gc") or {}
     if g:
         print(f"{'replica GC full collections':<34}{g['collections'][2]:>10d}  longest {g['pause_max_ms'][2]:.1f} ms, "

@@ -6,9 +6,10 @@
 The null engine (128 tokens at 200 tok/s, a 512-token prompt of ids) behind the
 app as deployed, the client on loopback. Prints every request's time in order
 (a slow first request per ingress replica shows as early outliers), the
-median, and the median through a Serve handle straight to the LLM server (no
-HTTP proxy, no ingress); writes JSON. With --ingress direct the LLM server
-replica serves HTTP itself (server.direct_streaming).
+median, the median of as many requests from a bare socket client (what httpx
+itself adds is the difference), and the median through a Serve handle straight
+to the LLM server (no HTTP proxy, no ingress); writes JSON. With --ingress
+direct the LLM server replica serves HTTP itself (server.direct_streaming).
 """
 
 from __future__ import annotations
@@ -25,20 +26,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import add_http_proxy_arg, add_ingress_arg, free_port, ingress_server_keys, save_json  # noqa: E402
+from benchmarks.loadgen import (  # noqa: E402
+    add_http_proxy_arg,
+    add_ingress_arg,
+    bare_client_ttft_s,
+    free_port,
+    ingress_server_keys,
+    save_json,
+)
 
 PROMPT = list(range(1000, 1512))
+BODY = {"model": "bench", "prompt": PROMPT, "max_tokens": 128, "stream": True}
 
 
 async def first_chunk_ms(base: str, n: int) -> list[float]:
     import httpx
 
-    body = {"model": "bench", "prompt": PROMPT, "max_tokens": 128, "stream": True}
     out = []
     async with httpx.AsyncClient(timeout=60) as client:
         for _ in range(n):
             t0, first = time.perf_counter(), None
-            async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+            async with client.stream("POST", f"{base}/v1/completions", json=BODY) as r:
                 async for line in r.aiter_lines():
                     if first is None and line.startswith("data: {"):
                         first = time.perf_counter() - t0
@@ -77,6 +85,8 @@ def main() -> None:
         "rollout": {"enabled": False},
     }))
     times = asyncio.run(first_chunk_ms(f"http://127.0.0.1:{http_port}", args.requests))
+    bare_ms = [1000 * t for t in asyncio.run(bare_client_ttft_s(f"http://127.0.0.1:{http_port}/v1/completions",
+                                                                  BODY, args.requests))]
     handle_ms = asyncio.run(handle_first_token_ms(PROMPT, 128))
     ray.shutdown()
     if args.ingress == "direct":
@@ -85,13 +95,18 @@ def main() -> None:
            "stream_interval_ms": args.stream_interval_ms, "first_chunk_ms": [round(t, 1) for t in times],
            "median_ms": statistics.median(times), "median_after_10_ms": statistics.median(times[10:]),
            "max_of_first_10_ms": max(times[:10]), "max_after_10_ms": max(times[10:]),
-           "handle_median_ms": handle_ms}
+           "handle_median_ms": handle_ms,
+           # the same path from a client that builds nothing and parses nothing: httpx's own share is the difference
+           "bare_client_first_chunk_ms": [round(t, 2) for t in bare_ms],
+           "bare_client_median_after_10_ms": statistics.median(bare_ms[10:])}
     save_json(args.out, res)
     print(json.dumps(res["first_chunk_ms"]))
-    print(f"{'HTTP proxy':<12}{'ingress':>9}{'median':>9}{'max of first 10':>17}{'max after':>11}{'handle':>9}  (ms)")
+    print(f"{'HTTP proxy':<12}{'ingress':>9}{'median':>9}{'max of first 10':>17}{'max after':>11}{'handle':>9}"
+          f"{'after 10: httpx':>17}{'bare client':>13}  (ms)")
     ingress = "direct" if args.ingress == "direct" else f"{args.ingress_replicas} repl"
     print(f"{args.http_proxy:<12}{ingress:>9}{res['median_ms']:>9.1f}{res['max_of_first_10_ms']:>17.1f}"
-          f"{res['max_after_10_ms']:>11.1f}{handle_ms:>9.1f}")
+          f"{res['max_after_10_ms']:>11.1f}{handle_ms:>9.1f}{res['median_after_10_ms']:>17.2f}"
+          f"{res['bare_client_median_after_10_ms']:>13.2f}")
 
 
 if __name__ == "__main__":

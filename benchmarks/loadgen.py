@@ -190,6 +190,43 @@ async def run_load(
     return res
 
 
+async def bare_client_ttft_s(url: str, body: dict, n: int) -> list[float]:
+    """Time to the first SSE data message of ``n`` streamed requests (``body`` with ``"stream": true``), sent one
+    after another on one kept-alive connection by a bare asyncio client: a hand-written HTTP/1.1 request, the
+    response's bytes scanned, not parsed. The floor under what an HTTP client adds to the stack's first token;
+    httpx, which the loads and the openai package use, builds each request and parses each response in
+    Python (on the CPU box ~1.4 ms of a request's first token: docs/benchmarks.md, twenty-fourth session)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    payload = json.dumps(body).encode()
+    head = (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    out = []
+    try:
+        for _ in range(n):
+            t0, first = time.perf_counter(), None
+            writer.write(head + payload)
+            buf = await reader.readuntil(b"\r\n\r\n")  # the status line and headers
+            status = buf.split(b"\r\n", 1)[0].decode(errors="replace")
+            if not status.startswith("HTTP/1.1 200"):  # an error's body is not chunked: stop here
+                raise RuntimeError(f"the streamed request failed: {status}")
+            while not buf.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's last chunk
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("the server closed the connection mid-response")
+                buf += data
+                if first is None and b"data: {" in buf:
+                    first = time.perf_counter() - t0
+            if b'data: {"error"' in buf:
+                raise RuntimeError("the stream ended with an error message")
+            out.append(first)
+    finally:
+        writer.close()
+    return out
+
+
 def print_table(rows: list[dict], cols: list[str]) -> None:
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
     print("  ".join(c.rjust(widths[c]) for c in cols))

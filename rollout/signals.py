@@ -118,10 +118,13 @@ class RequestTelemetry:
         self.tracer = provider.get_tracer("seekserve")
 
     def start(self, operation: str, model: str, variant: str, request_id: str,
-              routed_from_ns: int | None = None) -> "RequestSpan":
-        """The request's span; with ``routed_from_ns`` it starts there and gets a
-        ``router.route`` child covering the variant choice."""
-        span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.SERVER, start_time=routed_from_ns)
+              routed_from_ns: int | None = None, received_ns: int | None = None) -> "RequestSpan":
+        """The request's span; with ``routed_from_ns`` it gets a ``router.route`` child covering the variant
+        choice. It starts at ``received_ns`` (when the front got the request, before its body was parsed and
+        validated) where the front knows it, else at the routing: the latency a rollout gate compares is the
+        server's, not what is left of it after the web framework."""
+        start_ns = received_ns if received_ns is not None else routed_from_ns
+        span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.SERVER, start_time=start_ns)
         if routed_from_ns is not None:
             from opentelemetry import trace
 

@@ -138,13 +138,21 @@ def test_one_trace_covers_ingress_and_replica_and_trace_top_attributes_it(traced
     from serve_app.trace_top import build_trees, read_spans
 
     path = traced_app["trace_file"]
-    wait_for(lambda: path.exists() and len([s for s in read_spans(path) if s.name == "engine.decode"]) >= 4,
-             timeout_s=30)
+    # the replica's and the ingress's exporters write on their own schedules: wait for both processes' spans
+    def exported(spans):
+        return (len([s for s in spans if s.name == "engine.decode"]) >= 4
+                and len([s for s in spans if s.name.startswith("chat ")]) >= 4)
+
+    wait_for(lambda: path.exists() and exported(read_spans(path)), timeout_s=30)
     roots = [r for r in build_trees(read_spans(path)) if r.name.startswith("chat ")]
     assert len(roots) >= 4
     for r in roots:
         assert sorted(c.name for c in r.children) == ["llm_server.generate", "router.route"]
         (gen,) = [c for c in r.children if c.name == "llm_server.generate"]
+        (route,) = [c for c in r.children if c.name == "router.route"]
+        # over HTTP the span starts when the app got the request: reading and validating its body comes before
+        # the routing, inside the span
+        assert r.start_ns < route.start_ns <= gen.start_ns
         assert {c.name for c in gen.children} == {"engine.queue", "engine.prefill", "engine.decode"}
         assert gen.trace_id == r.trace_id and r.start_ns <= gen.start_ns and gen.end_ns <= r.end_ns + 5_000_000
     # the streamed request marks when its first delta reached the ingress: after the replica's first token
@@ -160,3 +168,19 @@ def test_one_trace_covers_ingress_and_replica_and_trace_top_attributes_it(traced
     assert len(lines) == 4 and "engine.decode" in out.stdout
     shares = [float(ln.rsplit(None, 1)[-1].rstrip("%")) for ln in lines[1:]]
     assert shares == sorted(shares, reverse=True) and sum(shares) <= 100.5
+
+
+@pytest.mark.slow
+def test_gpu_stack_splits_a_traced_first_token_into_its_legs(traced_app):
+    """benchmarks/gpu_stack.py --trace: the streamed request's first token, from the app's receipt, in legs that
+    add up (body read and validated, routing to the first delta)."""
+    from benchmarks.gpu_stack import first_token_breakdown
+    from serve_app.trace_top import build_trees, read_spans
+
+    path = traced_app["trace_file"]
+    legs = first_token_breakdown(path, [0, 2 ** 63])
+    assert legs["requests"] == 1  # only the streamed request has a first delta
+    (streamed,) = [r for r in build_trees(read_spans(path)) if "seekserve.first_chunk" in r.events]
+    whole_ms = (streamed.events["seekserve.first_chunk"] - streamed.start_ns) / 1e6
+    assert legs["parse_p50_ms"] > 0 and legs["at_ingress_p50_ms"] > legs["engine_prefill_p50_ms"] > 0
+    assert abs(legs["parse_p50_ms"] + legs["at_ingress_p50_ms"] - whole_ms) < 1e-3

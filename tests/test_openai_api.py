@@ -280,3 +280,21 @@ def test_engine_options_change_on_the_live_replica_all_or_nothing(slow_null_app)
     finally:
         h.update_engine_options.remote({"token_text": " tok"}).result()
     assert text() == " tok tok"
+
+
+def test_bare_benchmark_client_times_a_stream_and_refuses_errors(slow_null_app):
+    # benchmarks' bare socket client (loadgen.bare_client_ttft_s): the first SSE message's time for each request
+    # on one kept-alive connection; an error status, or a stream that ends in an error message, raises
+    import asyncio
+
+    from benchmarks.loadgen import bare_client_ttft_s
+
+    url = slow_null_app["base"] + "/v1/completions"
+    body = {"model": "slow", "prompt": "hi", "stream": True}
+    # 10 tokens/s: the first comes after ~0.1 s, the third request's stream ends after ~0.3 s
+    times = asyncio.run(bare_client_ttft_s(url, {**body, "max_tokens": 3}, 3))
+    assert len(times) == 3 and all(0.09 < t < 0.3 for t in times)
+    with pytest.raises(RuntimeError, match="404"):
+        asyncio.run(bare_client_ttft_s(url, {**body, "model": "nope", "max_tokens": 3}, 1))
+    with pytest.raises(RuntimeError, match="error message"):  # 40 tokens take 4 s, past the app's 2 s timeout
+        asyncio.run(bare_client_ttft_s(url, {**body, "max_tokens": 40}, 1))

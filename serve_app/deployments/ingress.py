@@ -29,7 +29,7 @@ from serve_app.errors import (
 )
 from serve_app.frontend.core import InferenceCore
 from serve_app.frontend.grpc_front import GrpcFront
-from serve_app.frontend.http import error_response, make_app, run_request
+from serve_app.frontend.http import RECEIVED_NS_KEY, error_response, make_app, run_request
 from serve_app.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("seekserve.ingress")
@@ -47,9 +47,11 @@ SECURITY_HEADERS = [
 
 class BodyLimit:
     """Pure ASGI middleware (Starlette's BaseHTTPMiddleware costs a task per
-    request): refuses a declared body over the limit before it is read, and adds
-    security headers to every response. No CORS middleware is installed, so
-    browsers on other origins are refused by default."""
+    request): notes when the request came in (the request's span starts there,
+    not after FastAPI has parsed and validated its body), refuses a declared body
+    over the limit before it is read, and adds security headers to every
+    response. No CORS middleware is installed, so browsers on other origins are
+    refused by default."""
 
     # set by the Ingress from its config; one ingress app per replica process
     limit_bytes: int = 1 << 20
@@ -59,6 +61,7 @@ class BodyLimit:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
+            scope[RECEIVED_NS_KEY] = time.time_ns()
             for key, value in scope.get("headers", ()):
                 if key == b"content-length" and value.isdigit() and int(value) > self.limit_bytes:
                     body = json.dumps({"error": {

@@ -86,9 +86,10 @@ class _NoSpan:
 class _Recorded:
     """The request's span plus its ingress metrics (outcome counter, e2e latency)."""
 
-    def __init__(self, span, model: str, variant: str):
+    def __init__(self, span, model: str, variant: str, received_ns: int | None = None):
         self.span, self.model, self.variant = span, model, variant
-        self.t0 = time.monotonic()
+        # e2e from the request's receipt where the front knows it (the span starts there too)
+        self.t0 = time.monotonic() - (max(0, time.time_ns() - received_ns) / 1e9 if received_ns else 0.0)
         self.done = False
 
     def add_logprobs(self, lps) -> None:
@@ -142,19 +143,20 @@ class InferenceCore:
             variant = split.pick(user)
         return variant, self.handles[model][variant]
 
-    def _span(self, req: InferenceRequest, variant: str, routed_from_ns: int):
+    def _span(self, req: InferenceRequest, variant: str, routed_from_ns: int, received_ns: int | None):
         span = _NoSpan()
         if self.telemetry is not None:
             op = "chat" if req.messages is not None else "text_completion"
-            span = self.telemetry.start(op, req.model, variant, req.request_id, routed_from_ns)
+            span = self.telemetry.start(op, req.model, variant, req.request_id, routed_from_ns, received_ns)
             req.trace_context = self.telemetry.context_of(span)
-        return _Recorded(span, req.model, variant)
+        return _Recorded(span, req.model, variant, received_ns)
 
     async def complete(self, req: InferenceRequest, user: str | None = None,
-                       override: str | None = None) -> Completion:
+                       override: str | None = None, received_ns: int | None = None) -> Completion:
+        """``received_ns``: when the front got the request (``time.time_ns()``), where it knows."""
         routed_from_ns = time.time_ns()
         variant, handle = self.route(req.model, user, override)
-        span = self._span(req, variant, routed_from_ns)
+        span = self._span(req, variant, routed_from_ns, received_ns)
         t = self.config.timeouts
         deadline = time.monotonic() + t.request_timeout_s
         try:
@@ -202,11 +204,12 @@ class InferenceCore:
         return True
 
     async def stream(self, req: InferenceRequest, user: str | None = None,
-                     override: str | None = None) -> StreamHandle:
-        """Start a stream; admission errors surface here, before any byte is sent."""
+                     override: str | None = None, received_ns: int | None = None) -> StreamHandle:
+        """Start a stream; admission errors surface here, before any byte is sent. ``received_ns`` as for
+        :meth:`complete`."""
         routed_from_ns = time.time_ns()
         variant, handle = self.route(req.model, user, override)
-        span = self._span(req, variant, routed_from_ns)
+        span = self._span(req, variant, routed_from_ns, received_ns)
         t = self.config.timeouts
         deadline = time.monotonic() + t.request_timeout_s
         first_timeout = min(t.first_token_timeout_s or t.request_timeout_s, t.request_timeout_s)

@@ -25,6 +25,9 @@ from serve_app.internal import InferenceRequest
 log = logging.getLogger("seekserve.http")
 
 VARIANT_HEADER = "x-seekserve-variant"
+# the ASGI scope key under which the app's own middleware (the ingress's BodyLimit) notes when a request came in
+# (time.time_ns()), before FastAPI reads and validates its body
+RECEIVED_NS_KEY = "seekserve.received_ns"
 USER_HEADER = "x-seekserve-user"
 
 
@@ -108,7 +111,7 @@ async def run_request(core: InferenceCore, request: Request, body, chat: bool, c
     streaming = False
     try:
         if body.stream:
-            handle = await core.stream(req, user, override)
+            handle = await core.stream(req, user, override, request.scope.get(RECEIVED_NS_KEY))
             fmt = ChunkFormatter(req, body.model, chat)
             streaming = True  # the stream releases the slot when it ends
             return StreamingResponse(
@@ -116,7 +119,7 @@ async def run_request(core: InferenceCore, request: Request, body, chat: bool, c
                 media_type="text/event-stream",
                 headers={VARIANT_HEADER: handle.variant, "Cache-Control": "no-cache"},
             )
-        result = await core.complete(req, user, override)
+        result = await core.complete(req, user, override, request.scope.get(RECEIVED_NS_KEY))
     finally:
         if not streaming:
             release()
