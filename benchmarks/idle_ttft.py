@@ -1,7 +1,7 @@
 """One request at a time through the full stack: time to the first SSE chunk, request by request.
 
     python benchmarks/idle_ttft.py [--requests 60] [--ingress-replicas 4] [--stream-interval-ms 50]
-                                   [--http-proxy python|haproxy] [--ingress separate|direct] [--out FILE]
+                                   [--http-proxy python|haproxy] [--ingress separate|direct] [--trace] [--out FILE]
 
 The null engine (128 tokens at 200 tok/s, a 512-token prompt of ids) behind the
 app as deployed, the client on loopback. Prints every request's time in order
@@ -10,6 +10,10 @@ median, the median of as many requests from a bare socket client (what httpx
 itself adds is the difference), and the median through a Serve handle straight
 to the LLM server (no HTTP proxy, no ingress); writes JSON. With --ingress
 direct the LLM server replica serves HTTP itself (server.direct_streaming).
+With --trace every request is traced to a file and each client's first chunk
+is split into legs (gpu_stack.first_token_breakdown): the body read and
+validated in the app, the app's routing to the first delta (the engine's own
+time inside it), and the rest: the client and the way to and from the app.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +66,7 @@ def main() -> None:
     p.add_argument("--stream-interval-ms", type=float, default=50.0)
     add_http_proxy_arg(p)
     add_ingress_arg(p)
+    p.add_argument("--trace", action="store_true", help="trace each request and split its first chunk into legs")
     p.add_argument("--out", default=str(ROOT / "results" / "idle_ttft.json"))
     args = p.parse_args()
     from cluster.launcher import select_http_proxy
@@ -69,9 +75,12 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from benchmarks.gpu_stack import handle_first_token_ms
+    from benchmarks.gpu_stack import first_token_breakdown, handle_first_token_ms
     from serve_app.app import deploy
     from serve_app.config import parse_config
+    from serve_app.trace_top import read_spans
+
+    trace_file = Path(tempfile.mkdtemp(prefix="idle_ttft-")) / "traces.jsonl"
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     http_port, grpc_port = free_port(), free_port()
@@ -83,11 +92,25 @@ def main() -> None:
                    **ingress_server_keys(args.ingress, args.ingress_replicas),
                    "stream_interval_ms": args.stream_interval_ms},
         "rollout": {"enabled": False},
+        **({"tracing": {"exporter": "file", "file_path": str(trace_file)}} if args.trace else {}),
     }))
+    windows_ns = [time.time_ns()]
     times = asyncio.run(first_chunk_ms(f"http://127.0.0.1:{http_port}", args.requests))
+    windows_ns.append(time.time_ns())
     bare_ms = [1000 * t for t in asyncio.run(bare_client_ttft_s(f"http://127.0.0.1:{http_port}/v1/completions",
                                                                   BODY, args.requests))]
+    windows_ns.append(time.time_ns())
     handle_ms = asyncio.run(handle_first_token_ms(PROMPT, 128))
+    legs = {}
+    if args.trace:
+        # the exporters write on their own schedules: wait until both clients' requests are in the file
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(
+                1 for sp in (read_spans(trace_file) if trace_file.exists() else ())
+                if sp.name == "engine.prefill") < 2 * args.requests:
+            time.sleep(1)
+        legs = {"httpx": first_token_breakdown(trace_file, windows_ns[:2]),
+                "bare": first_token_breakdown(trace_file, windows_ns[1:3])}
     ray.shutdown()
     if args.ingress == "direct":
         args.ingress_replicas = 0  # no Ingress deployment
@@ -98,7 +121,8 @@ def main() -> None:
            "handle_median_ms": handle_ms,
            # the same path from a client that builds nothing and parses nothing: httpx's own share is the difference
            "bare_client_first_chunk_ms": [round(t, 2) for t in bare_ms],
-           "bare_client_median_after_10_ms": statistics.median(bare_ms[10:])}
+           "bare_client_median_after_10_ms": statistics.median(bare_ms[10:]),
+           "first_chunk_legs": legs}
     save_json(args.out, res)
     print(json.dumps(res["first_chunk_ms"]))
     print(f"{'HTTP proxy':<12}{'ingress':>9}{'median':>9}{'max of first 10':>17}{'max after':>11}{'handle':>9}"
@@ -107,6 +131,12 @@ def main() -> None:
     print(f"{args.http_proxy:<12}{ingress:>9}{res['median_ms']:>9.1f}{res['max_of_first_10_ms']:>17.1f}"
           f"{res['max_after_10_ms']:>11.1f}{handle_ms:>9.1f}{res['median_after_10_ms']:>17.2f}"
           f"{res['bare_client_median_after_10_ms']:>13.2f}")
+    for client, lg in legs.items():
+        whole = statistics.median(times if client == "httpx" else bare_ms)
+        print(f"  {client} ({lg['requests']} traced), medians ms: first chunk {whole:.2f} = body read and validated "
+              f"{lg['parse_p50_ms']:.2f} + routing to the first delta {lg['at_ingress_p50_ms']:.2f} (the engine's "
+              f"queue and first token {lg['engine_queue_p50_ms'] + lg['engine_prefill_p50_ms']:.2f}) + the rest "
+              f"(client, proxy, server before the app) {whole - lg['parse_p50_ms'] - lg['at_ingress_p50_ms']:.2f}")
 
 
 if __name__ == "__main__":
