@@ -35,6 +35,7 @@ from benchmarks.loadgen import (  # noqa: E402
     add_http_proxy_arg,
     add_ingress_arg,
     add_user_code_loop_arg,
+    BareClient,
     bare_client_ttft_s,
     free_port,
     ingress_server_keys,
@@ -154,8 +155,8 @@ async def engine_counters(h) -> dict:
 
 async def drive(base: str, model: str, args, checkpoint=lambda part: None, started_options: dict | None = None) -> dict:
     """The loads through the HTTP API, then again under each of ``args.compare``'s option changes, made on the
-    live replica and undone after (back to ``started_options``, the values it started with); ``checkpoint``
-    gets what is measured so far after each load."""
+    live replica and undone after (back to ``started_options``, the values it started with), then again from
+    each further client of ``args.clients``; ``checkpoint`` gets what is measured so far after each load."""
     import httpx
 
     prompt, rng = prompt_draw(args.prompt)
@@ -176,14 +177,19 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None, start
             await concurrent_load(lambda i, p: http_one(client, url, model, p, args.output), 64,
                                   *prompt_draw(args.prompt, WARM_PROMPT_SEED), args.warm_rounds)
         h = replica_handle()
+        bare = BareClient(url)
 
-        async def load(key: str, conc: int, rounds: int) -> None:
+        def sender(client_name: str, conc: int):
+            if client_name == "bare":  # request k of concurrent_load is stream k % conc's: its own connection
+                return lambda k, p: bare.send(k % conc, stream_body(model, p, args.output))
+            return lambda k, p: http_one(client, url, model, p, args.output)
+
+        async def load(key: str, conc: int, rounds: int, client_name: str = args.clients[0]) -> None:
             before = await engine_counters(h)
             t0_ns = time.time_ns()
             with ClientLag() as lag:
-                out[key] = await concurrent_load(
-                    lambda i, p: http_one(client, url, model, p, args.output), conc, prompt, rng, rounds,
-                    think_ms=args.think_ms)
+                out[key] = await concurrent_load(sender(client_name, conc), conc, prompt, rng, rounds,
+                                                 think_ms=args.think_ms)
             out[key]["window_ns"] = [t0_ns, time.time_ns()]
             out[key]["client"] = lag.summary
             await asyncio.sleep(0.2)  # an engine in its own process sends its counters with its outputs, <= 50 ms
@@ -200,6 +206,13 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None, start
             for key, conc, rounds, _ in loads(args):
                 await load(f"{key}_{tag}", conc, rounds)
             await h.update_engine_options.remote({k: (started_options or {})[k] for k in change})
+        out["clients"] = args.clients
+        for i, client_name in enumerate(args.clients[1:], 1):
+            tag = f"client_{client_name}_{i}"  # the i-th arm: a client may come back (httpx bare httpx)
+            out.setdefault("client_tags", []).append(tag)
+            for key, conc, rounds, _ in loads(args):
+                await load(f"{key}_{tag}", conc, rounds, client_name)
+        bare.close()
     return out
 
 
@@ -432,6 +445,8 @@ def print_report(res: dict, alone: dict | None, args) -> None:
         print(think)
     if (res.get("warm_up") or {}).get("compile_cache"):  # whether the replica's compiles found the disk caches warm
         print(f"compile caches at ready: {res['warm_up']['compile_cache']}")
+    if res.get("client_tags"):
+        print(f"the loads' client: {res['clients'][0]} (then the others below)")
     print(f"{'measure':<34}{'stack':>10}{'engine':>10}  target")
     print_loads(res, alone, args)
     for tag in res.get("compare_tags", []):
@@ -440,6 +455,9 @@ def print_report(res: dict, alone: dict | None, args) -> None:
         print(f"with {tag}, changed on the live replica"
               + ("" if paired else " (the engine file has no loads under it: no engine column)") + ":")
         print_loads(with_compare(res, tag), with_compare(alone, tag) if paired else None, args)
+    for tag in res.get("client_tags", []):
+        print(f"from the {tag.split('_')[1]} client, the same deployment, the same engine column:")
+        print_loads(with_compare(res, tag), alone, args)
     if res.get("engine_prefill_passes") is not None:
         w = res.get("warm_up") or {}
         about = f"{w.get('prefill_graphs', 0)} graphs captured in {w.get('prefill_graph_capture_s') or 0:.1f} s"
@@ -488,6 +506,10 @@ def main() -> None:
                         "launch_lead_ms=1; each prints against gpu_engine.py's loads under the same --compare")
     p.add_argument("--trace", action="store_true",
                    help="trace every request to a file and split each load's first token into its legs")
+    p.add_argument("--clients", nargs="+", choices=("httpx", "bare"), default=["httpx"],
+                   help="the loads' HTTP client: httpx (as the openai package), or loadgen's bare socket client, "
+                        "which builds and parses next to nothing; several: the loads again from each, on the same "
+                        "deployment after the first's (and its --compare), e.g. httpx bare httpx")
     add_http_proxy_arg(p, many=True)  # both: the second compile reuses Inductor's cache (below)
     add_engine_process_arg(p, "engine.process: the engine in the replica's process, in a child process of its "
                               "own, what 'auto' picks (the child on a GPU), or several one after the other "

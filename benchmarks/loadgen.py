@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import statistics
 import time
@@ -190,28 +191,38 @@ async def run_load(
     return res
 
 
-async def bare_client_ttft_s(url: str, body: dict, n: int) -> list[float]:
-    """Time to the first SSE data message of ``n`` streamed requests (``body`` with ``"stream": true``), sent one
-    after another on one kept-alive connection by a bare asyncio client: a hand-written HTTP/1.1 request, the
-    response's bytes scanned, not parsed. The floor under what an HTTP client adds to the stack's first token;
-    httpx, which the loads and the openai package use, builds each request and parses each response in
-    Python (on the CPU box ~1.4 ms of a request's first token: docs/benchmarks.md, twenty-fourth session)."""
-    from urllib.parse import urlsplit
+class BareClient:
+    """Streamed completions from a bare asyncio client: a hand-written HTTP/1.1 request on a kept-alive
+    connection per stream (``send(stream, body)``; a stream sends one request at a time), the response's bytes
+    scanned, not parsed, but for the usage chunk's token count. The floor under what an HTTP client adds to the
+    stack's first token and to a closed loop's way back; httpx, which the loads and the openai package use,
+    builds each request and parses each response in Python (on the CPU box ~1.3 ms of an idle request's first
+    chunk: docs/benchmarks.md, twenty-fourth session)."""
 
-    u = urlsplit(url)
-    payload = json.dumps(body).encode()
-    head = (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\n\r\n").encode()
-    reader, writer = await asyncio.open_connection(u.hostname, u.port)
-    out = []
-    try:
-        for _ in range(n):
-            t0, first = time.perf_counter(), None
+    def __init__(self, url: str):
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        self._host, self._port, self._netloc, self._path = u.hostname, u.port, u.netloc, u.path
+        self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+
+    async def send(self, stream: int, body: dict) -> dict:
+        """``{ttft_s, ttft_text_s, e2e_s, tokens}`` (the first SSE data message: an SSE chunk carries text), or
+        ``{ttft_s: None, tokens: 0, status}`` for an error status or a stream that ends in an error message."""
+        payload = json.dumps(body).encode()
+        head = (f"POST {self._path} HTTP/1.1\r\nHost: {self._netloc}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n").encode()
+        if stream not in self._conns:
+            self._conns[stream] = await asyncio.open_connection(self._host, self._port)
+        reader, writer = self._conns[stream]
+        t0, first = time.perf_counter(), None
+        try:
             writer.write(head + payload)
             buf = await reader.readuntil(b"\r\n\r\n")  # the status line and headers
-            status = buf.split(b"\r\n", 1)[0].decode(errors="replace")
-            if not status.startswith("HTTP/1.1 200"):  # an error's body is not chunked: stop here
-                raise RuntimeError(f"the streamed request failed: {status}")
+            status = buf.split(b" ", 2)[1].decode(errors="replace")
+            if status != "200":  # an error's body is not chunked: drop the connection rather than read it
+                self._drop(stream)
+                return {"ttft_s": None, "tokens": 0, "status": int(status) if status.isdigit() else 0}
             while not buf.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's last chunk
                 data = await reader.read(65536)
                 if not data:
@@ -219,11 +230,39 @@ async def bare_client_ttft_s(url: str, body: dict, n: int) -> list[float]:
                 buf += data
                 if first is None and b"data: {" in buf:
                     first = time.perf_counter() - t0
-            if b'data: {"error"' in buf:
-                raise RuntimeError("the stream ended with an error message")
-            out.append(first)
+        except BaseException:
+            self._drop(stream)
+            raise
+        e2e_s = time.perf_counter() - t0
+        if b'data: {"error"' in buf:  # the headers had gone out: the error came in the stream (as http_one: 500)
+            return {"ttft_s": None, "tokens": 0, "status": 500, "in_band_error": True}
+        counts = re.findall(rb'"completion_tokens":\s*(\d+)', buf)
+        return {"ttft_s": first, "ttft_text_s": first, "e2e_s": e2e_s, "tokens": int(counts[-1]) if counts else 0}
+
+    def _drop(self, stream: int) -> None:
+        conn = self._conns.pop(stream, None)
+        if conn is not None:
+            conn[1].close()
+
+    def close(self) -> None:
+        for stream in list(self._conns):
+            self._drop(stream)
+
+
+async def bare_client_ttft_s(url: str, body: dict, n: int) -> list[float]:
+    """Time to the first SSE data message of ``n`` streamed requests sent one after another from a
+    :class:`BareClient`; a failed one raises."""
+    client = BareClient(url)
+    out = []
+    try:
+        for _ in range(n):
+            r = await client.send(0, body)
+            if r["ttft_s"] is None:
+                raise RuntimeError("the stream ended with an error message" if r.get("in_band_error")
+                                   else f"the streamed request failed: status {r['status']}")
+            out.append(r["ttft_s"])
     finally:
-        writer.close()
+        client.close()
     return out
 
 

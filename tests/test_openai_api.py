@@ -287,13 +287,23 @@ def test_bare_benchmark_client_times_a_stream_and_refuses_errors(slow_null_app):
     # on one kept-alive connection; an error status, or a stream that ends in an error message, raises
     import asyncio
 
-    from benchmarks.loadgen import bare_client_ttft_s
+    from benchmarks.loadgen import BareClient, bare_client_ttft_s
 
     url = slow_null_app["base"] + "/v1/completions"
     body = {"model": "slow", "prompt": "hi", "stream": True}
     # 10 tokens/s: the first comes after ~0.1 s, the third request's stream ends after ~0.3 s
     times = asyncio.run(bare_client_ttft_s(url, {**body, "max_tokens": 3}, 3))
     assert len(times) == 3 and all(0.09 < t < 0.3 for t in times)
+
+    async def one_with_usage():
+        client = BareClient(url)
+        try:
+            return await client.send(5, {**body, "max_tokens": 4, "stream_options": {"include_usage": True}})
+        finally:
+            client.close()
+
+    r = asyncio.run(one_with_usage())
+    assert r["tokens"] == 4 and 0.09 < r["ttft_s"] < r["e2e_s"] < 1.0
     with pytest.raises(RuntimeError, match="404"):
         asyncio.run(bare_client_ttft_s(url, {**body, "model": "nope", "max_tokens": 3}, 1))
     with pytest.raises(RuntimeError, match="error message"):  # 40 tokens take 4 s, past the app's 2 s timeout
