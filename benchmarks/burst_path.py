@@ -2,7 +2,7 @@
 
     python benchmarks/burst_path.py [--streams 64] [--tokens 16] [--step-ms 20] [--rounds 40] [--pairs 2]
         [--paths engine stack] [--set KEY=JSON] [--compare KEY=JSON] [--think-ms MEAN] [--http-proxy haproxy]
-        [--stream-interval-ms MS] [--consumer generate|coalesced|pushed] [--out FILE]
+        [--stream-interval-ms MS] [--consumer generate|coalesced|pushed] [--clients httpx bare] [--out FILE]
 
 A GPU engine hands out a pass's tokens together: at 64 streams 64 chunks at once, every ~5.8 ms on an H200,
 and every hop to the client (the engine process's relay, the replica, its HTTP stream, the client) takes them in
@@ -16,7 +16,8 @@ benchmarks' first wave and client) runs against
 
 each first with one idle stream (the path alone), then ``--pairs`` loads of ``--streams`` x ``--rounds``. With
 ``--compare`` the loads alternate (ABBA) between the engine's options as started and the change, made on the live
-engine, so both ways meet the same box. Prints a table last and writes JSON.
+engine, so both ways meet the same box; with two ``--clients`` the stack's loads alternate the same way between
+httpx and the bare socket client (what the client itself adds). Prints a table last and writes JSON.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import _option, _options, compare_tag, concurrent_load, prompt_draw  # noqa: E402
-from benchmarks.gpu_stack import ClientLag, http_one, replica_handle  # noqa: E402
-from benchmarks.loadgen import add_http_proxy_arg, free_port, percentile, save_json, stat_cpu_s  # noqa: E402
+from benchmarks.gpu_stack import ClientLag, http_one, replica_handle, stream_body  # noqa: E402
+from benchmarks.loadgen import BareClient, add_http_proxy_arg, free_port, percentile, save_json, stat_cpu_s  # noqa: E402
 
 _ids = itertools.count()
 
@@ -105,27 +106,32 @@ async def engine_one(engine, prompt: list[int], tokens: int, consumer: str = "ge
     return {"ttft_s": first, "ttft_text_s": first, "e2e_s": time.perf_counter() - t0, "tokens": n}
 
 
-async def measure(send, set_options, stats, args, path: str) -> dict:
-    """One idle stream, then the loads (ABBA with --compare); ``set_options(dict)`` changes the live engine,
-    ``stats()`` returns its counters."""
+async def measure(senders: dict, set_options, stats, args, path: str) -> dict:
+    """One idle stream, then the loads (ABBA with --compare, or between the clients of ``senders``, a
+    ``send(k, prompt)`` for each; request k is stream k % streams'); ``set_options(dict)`` changes the live
+    engine, ``stats()`` returns its counters."""
     prompt, rng = prompt_draw(16)
-    idle = [(await send(prompt()))["ttft_s"] for _ in range(21)][1:]
-    await concurrent_load(lambda k, p: send(p), args.streams, prompt, rng, 2)  # warm-up
-    arms = [{}] + ([args.compare] if args.compare else [])
+    first = next(iter(senders))
+    idle = [(await senders[first](0, prompt()))["ttft_s"] for _ in range(21)][1:]
+    await concurrent_load(senders[first], args.streams, prompt, rng, 2)  # warm-up
+    if args.compare:  # (label, engine options, client)
+        arms = [("as started", {}, first), (compare_tag(args.compare), args.compare, first)]
+    else:
+        arms = [("as started" if len(senders) == 1 else f"client {c}", {}, c) for c in senders]
     undo = {k: args.started_options[k] for k in (args.compare or {})}  # back to the options as started
     loads = []
     for pair in range(args.pairs):
         # ABBA: neither way always runs first in its pair (this box's load drifts between loads)
-        for arm in (arms if pair % 2 == 0 else arms[::-1]):
-            await set_options(arm or undo)
+        for label, change, client in (arms if pair % 2 == 0 else arms[::-1]):
+            await set_options(change or undo)
             before = await stats()
             with ClientLag() as lag, ProcCpu() as cpu:
-                res = await concurrent_load(lambda k, p: send(p), args.streams, prompt, rng, args.rounds,
+                res = await concurrent_load(senders[client], args.streams, prompt, rng, args.rounds,
                                             think_ms=args.think_ms)
             after = await stats()
             ttfts = [r[1] for r in res["per_request"]]
             loads.append({
-                "path": path, "pair": pair, "arm": compare_tag(arm) if arm else "as started",
+                "path": path, "pair": pair, "arm": label,
                 "requests": res["requests"], "failed": res["failed"], "token_counts": res["token_counts"],
                 "output_tok_s": round(res["output_tok_s"], 1), "ttft_p50_ms": round(res["ttft_p50_ms"], 2),
                 "ttft_p95_ms": round(res["ttft_p95_ms"], 2), "ttft_mean_ms": round(statistics.fmean(ttfts), 2),
@@ -148,8 +154,8 @@ async def run_engine(args) -> dict:
             await asyncio.sleep(0.2)  # the child sends its counters with its outputs, or every 0.5 s idle
             return engine.stats().as_dict()
 
-        return await measure(lambda p: engine_one(engine, p, args.tokens, args.consumer,
-                                                  args.stream_interval_ms / 1000),
+        return await measure({"engine": lambda k, p: engine_one(engine, p, args.tokens, args.consumer,
+                                                                args.stream_interval_ms / 1000)},
                              set_options, stats, args, "engine")
     finally:
         await engine.shutdown()
@@ -190,8 +196,13 @@ def run_stack(args) -> dict:
                 await asyncio.sleep(0.2)
                 return await h.stats.remote()
 
-            return await measure(lambda p: http_one(client, url, "bench", p, args.tokens), set_options, stats,
-                                 args, "stack")
+            bare = BareClient(url)
+            make = {"httpx": lambda k, p: http_one(client, url, "bench", p, args.tokens),
+                    "bare": lambda k, p: bare.send(k % args.streams, stream_body("bench", p, args.tokens))}
+            try:
+                return await measure({c: make[c] for c in args.clients}, set_options, stats, args, "stack")
+            finally:
+                bare.close()
 
     try:
         return asyncio.run(go())
@@ -227,17 +238,25 @@ def main() -> None:
                         "--stream-interval-ms as a replica paces it, over the generator (a task per stream wakes "
                         "every step) or over submit (each step appends to the stream's buffer); the client's CPU "
                         "per request is then what the replica's side of the relay costs")
+    p.add_argument("--clients", nargs="+", choices=("httpx", "bare"), default=["httpx"],
+                   help="the stack path's HTTP client (gpu_stack.py's): httpx, the bare socket client, or both, "
+                        "alternating ABBA (not with --compare)")
     add_http_proxy_arg(p)
     p.set_defaults(http_proxy="haproxy")
     p.add_argument("--out", default=str(ROOT / "results" / "burst_path.json"))
     args = p.parse_args()
+    if args.compare and len(args.clients) > 1:
+        p.error("--compare alternates engine options with the first client; --clients alternates clients: one at a time")
+    if len(set(args.clients)) != len(args.clients):
+        p.error("--clients: each client once")
     from serve_app.engines.options import NullEngineOptions
 
     args.started_options = NullEngineOptions(**engine_options(args)).model_dump()
     t0 = time.perf_counter()
     res = {"command": " ".join(sys.argv), "streams": args.streams, "tokens": args.tokens, "step_ms": args.step_ms,
            "rounds": args.rounds, "think_ms": args.think_ms, "set": dict(args.set), "compare": args.compare, "http_proxy": args.http_proxy,
-           "stream_interval_ms": args.stream_interval_ms, "consumer": args.consumer, "paths": {}}
+           "stream_interval_ms": args.stream_interval_ms, "consumer": args.consumer, "clients": args.clients,
+           "paths": {}}
     for path in args.paths:
         res["paths"][path] = asyncio.run(run_engine(args)) if path == "engine" else run_stack(args)
         save_json(args.out, res)
