@@ -2,7 +2,8 @@
 
     python benchmarks/burst_path.py [--streams 64] [--tokens 16] [--step-ms 20] [--rounds 40] [--pairs 2]
         [--paths engine stack] [--set KEY=JSON] [--compare KEY=JSON] [--think-ms MEAN] [--http-proxy haproxy]
-        [--stream-interval-ms MS] [--consumer generate|coalesced|pushed] [--clients httpx bare] [--out FILE]
+        [--stream-interval-ms MS] [--consumer generate|coalesced|pushed] [--clients httpx bare] [--trace]
+        [--out FILE]
 
 A GPU engine hands out a pass's tokens together: at 64 streams 64 chunks at once, every ~5.8 ms on an H200,
 and every hop to the client (the engine process's relay, the replica, its HTTP stream, the client) takes them in
@@ -17,7 +18,9 @@ benchmarks' first wave and client) runs against
 each first with one idle stream (the path alone), then ``--pairs`` loads of ``--streams`` x ``--rounds``. With
 ``--compare`` the loads alternate (ABBA) between the engine's options as started and the change, made on the live
 engine, so both ways meet the same box; with two ``--clients`` the stack's loads alternate the same way between
-httpx and the bare socket client (what the client itself adds). Prints a table last and writes JSON.
+httpx and the bare socket client (what the client itself adds). With ``--trace`` the stack traces every
+request and each load's first token is split into legs (gpu_stack.first_token_breakdown): whether a request
+waited in the engine's queue for a step it missed shows there. Prints a table last and writes JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import itertools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,6 +129,7 @@ async def measure(senders: dict, set_options, stats, args, path: str) -> dict:
         for label, change, client in (arms if pair % 2 == 0 else arms[::-1]):
             await set_options(change or undo)
             before = await stats()
+            t0_ns = time.time_ns()
             with ClientLag() as lag, ProcCpu() as cpu:
                 res = await concurrent_load(senders[client], args.streams, prompt, rng, args.rounds,
                                             think_ms=args.think_ms)
@@ -136,6 +141,7 @@ async def measure(senders: dict, set_options, stats, args, path: str) -> dict:
                 "output_tok_s": round(res["output_tok_s"], 1), "ttft_p50_ms": round(res["ttft_p50_ms"], 2),
                 "ttft_p95_ms": round(res["ttft_p95_ms"], 2), "ttft_mean_ms": round(statistics.fmean(ttfts), 2),
                 "engine_steps": after["forward_passes"] - before["forward_passes"], "client": lag.summary,
+                "window_ns": [t0_ns, time.time_ns()],
                 "cpu_ms_per_request": {k: round(1000 * v / max(1, res["requests"]), 3) for k, v in cpu.cpu_s.items()}})
             print(loads[-1], flush=True)
     return {"idle_ttft_p50_ms": round(1000 * percentile(idle, 50), 2), "loads": loads}
@@ -172,6 +178,7 @@ def run_stack(args) -> dict:
     from serve_app.app import deploy
     from serve_app.config import parse_config
 
+    trace_file = Path(tempfile.mkdtemp(prefix="burst_path-")) / "traces.jsonl"
     ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False)
     http_port, grpc_port = free_port(), free_port()
     deploy(parse_config({
@@ -181,6 +188,7 @@ def run_stack(args) -> dict:
         "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port, "direct_streaming": True,
                    "stream_interval_ms": args.stream_interval_ms},
         "rollout": {"enabled": False},
+        **({"tracing": {"exporter": "file", "file_path": str(trace_file)}} if args.trace else {}),
     }))
 
     async def go() -> dict:
@@ -205,10 +213,27 @@ def run_stack(args) -> dict:
                 bare.close()
 
     try:
-        return asyncio.run(go())
+        res = asyncio.run(go())
+        if args.trace:
+            add_legs(res["loads"], trace_file)
+        return res
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def add_legs(loads: list[dict], trace_file: Path, timeout_s: float = 60.0) -> None:
+    """Each load's first-token legs from the trace file, once the exporters have written every request."""
+    from benchmarks.gpu_stack import first_token_breakdown
+    from serve_app.trace_top import read_spans
+
+    want = sum(r["requests"] for r in loads)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sum(
+            1 for sp in (read_spans(trace_file) if trace_file.exists() else ()) if sp.name == "engine.prefill") < want:
+        time.sleep(1)
+    for r in loads:
+        r["first_token_legs"] = first_token_breakdown(trace_file, r["window_ns"])
 
 
 def main() -> None:
@@ -241,6 +266,8 @@ def main() -> None:
     p.add_argument("--clients", nargs="+", choices=("httpx", "bare"), default=["httpx"],
                    help="the stack path's HTTP client (gpu_stack.py's): httpx, the bare socket client, or both, "
                         "alternating ABBA (not with --compare)")
+    p.add_argument("--trace", action="store_true", help="the stack path: trace every request, split each load's "
+                   "first token into legs")
     add_http_proxy_arg(p)
     p.set_defaults(http_proxy="haproxy")
     p.add_argument("--out", default=str(ROOT / "results" / "burst_path.json"))
@@ -286,6 +313,13 @@ def print_table(res: dict) -> None:
                   f"{r['client'].get('lag_p99_ms', float('nan')):>16.2f}"
                   f"{r.get('cpu_ms_per_request', {}).get('replica', float('nan')):>17.3f}"
                   f"{r.get('cpu_ms_per_request', {}).get('engine child', float('nan')):>7.3f}")
+            lg = r.get("first_token_legs")
+            if lg and lg["requests"]:
+                print(f"{'':<14}legs p50 ms ({lg['requests']} traced): body read {lg['parse_p50_ms']:.2f}, routing "
+                      f"to the engine {lg['to_replica_p50_ms']:.2f}, engine queue {lg['engine_queue_p50_ms']:.2f} "
+                      f"(p95 {lg['engine_queue_p95_ms']:.2f}), first token {lg['engine_prefill_p50_ms']:.2f}, back "
+                      f"{lg['back_to_ingress_p50_ms']:.2f}; client TTFT p50 - (body + routing to first delta) "
+                      f"{r['ttft_p50_ms'] - lg['parse_p50_ms'] - lg['at_ingress_p50_ms']:.2f}")
     print("\nmeans over each arm's loads: tok/s, TTFT p50 / p95 / mean ms")
     means = {path: arm_means(pr["loads"]) for path, pr in res["paths"].items()}
     for path, by_arm in means.items():
