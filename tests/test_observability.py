@@ -178,8 +178,10 @@ def test_gpu_stack_splits_a_traced_first_token_into_its_legs(traced_app):
     from serve_app.trace_top import build_trees, read_spans
 
     path = traced_app["trace_file"]
-    legs = first_token_breakdown(path, [0, 2 ** 63])
-    assert legs["requests"] == 1  # only the streamed request has a first delta
+    # only the streamed request has a first delta; its spans come from two processes' exporters
+    legs = wait_for(lambda: (lg := path.exists() and first_token_breakdown(path, [0, 2 ** 63])) and lg["requests"]
+                    and lg, timeout_s=30)
+    assert legs["requests"] == 1
     (streamed,) = [r for r in build_trees(read_spans(path)) if "seekserve.first_chunk" in r.events]
     whole_ms = (streamed.events["seekserve.first_chunk"] - streamed.start_ns) / 1e6
     assert legs["parse_p50_ms"] > 0 and legs["at_ingress_p50_ms"] > legs["engine_prefill_p50_ms"] > 0
