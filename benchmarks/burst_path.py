@@ -224,14 +224,9 @@ def run_stack(args) -> dict:
 
 def add_legs(loads: list[dict], trace_file: Path, timeout_s: float = 60.0) -> None:
     """Each load's first-token legs from the trace file, once the exporters have written every request."""
-    from benchmarks.gpu_stack import first_token_breakdown
-    from serve_app.trace_top import read_spans
+    from benchmarks.gpu_stack import first_token_breakdown, wait_for_traces
 
-    want = sum(r["requests"] for r in loads)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and sum(
-            1 for sp in (read_spans(trace_file) if trace_file.exists() else ()) if sp.name == "engine.prefill") < want:
-        time.sleep(1)
+    wait_for_traces(trace_file, sum(r["requests"] for r in loads), timeout_s)
     for r in loads:
         r["first_token_legs"] = first_token_breakdown(trace_file, r["window_ns"])
 

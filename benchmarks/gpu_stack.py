@@ -225,6 +225,22 @@ def loads(args) -> list[tuple[str, int, int, str]]:
     return out
 
 
+def wait_for_traces(trace_file: Path, requests: int, timeout_s: float = 60.0) -> None:
+    """Until the trace file holds ``requests`` requests' spans from both their ingress (the span with the first
+    delta's event) and their replica (``engine.prefill``), or the timeout: the two tracer providers' exporters
+    write on their own schedules."""
+    from serve_app.trace_top import read_spans
+
+    def written() -> bool:
+        spans = read_spans(trace_file) if trace_file.exists() else []
+        return min(sum(1 for sp in spans if sp.name == "engine.prefill"),
+                   sum(1 for sp in spans if "seekserve.first_chunk" in sp.events)) >= requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not written():
+        time.sleep(1)
+
+
 def first_token_breakdown(trace_file: Path, window_ns: list[int]) -> dict:
     """Median and p95 (ms) of each leg of the first token's path, over the requests whose ingress span
     started in the window: the request's body read and validated (from the app's receipt to the routing:

@@ -75,10 +75,9 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from benchmarks.gpu_stack import first_token_breakdown, handle_first_token_ms
+    from benchmarks.gpu_stack import first_token_breakdown, handle_first_token_ms, wait_for_traces
     from serve_app.app import deploy
     from serve_app.config import parse_config
-    from serve_app.trace_top import read_spans
 
     trace_file = Path(tempfile.mkdtemp(prefix="idle_ttft-")) / "traces.jsonl"
 
@@ -103,12 +102,7 @@ def main() -> None:
     handle_ms = asyncio.run(handle_first_token_ms(PROMPT, 128))
     legs = {}
     if args.trace:
-        # the exporters write on their own schedules: wait until both clients' requests are in the file
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and sum(
-                1 for sp in (read_spans(trace_file) if trace_file.exists() else ())
-                if sp.name == "engine.prefill") < 2 * args.requests:
-            time.sleep(1)
+        wait_for_traces(trace_file, 2 * args.requests)  # both clients' requests
         legs = {"httpx": first_token_breakdown(trace_file, windows_ns[:2]),
                 "bare": first_token_breakdown(trace_file, windows_ns[1:3])}
     ray.shutdown()
