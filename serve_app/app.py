@@ -51,6 +51,11 @@ def replica_runtime_env(config: AppConfig) -> dict:
     return {}
 
 
+def logging_config(config: AppConfig) -> dict:
+    """Serve's per-deployment logging settings."""
+    return {"enable_access_log": config.server.access_log}
+
+
 def _llm_options(model: str, v: VariantConfig, max_ongoing: int, max_queued: int, config: AppConfig) -> dict:
     """Serve options of the deployment that hosts a variant's engine: replicas, placement, resources."""
     scaling = autoscaling_config(v)
@@ -72,6 +77,7 @@ def _llm_options(model: str, v: VariantConfig, max_ongoing: int, max_queued: int
         health_check_period_s=10,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=60,
+        logging_config=logging_config(config),
     )
 
 
@@ -124,6 +130,7 @@ def build_app(config: AppConfig):
         num_replicas=config.server.ingress_replicas,
         max_ongoing_requests=config.server.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, **replica_runtime_env(config)},
+        logging_config=logging_config(config),
     )
     return ingress.bind(config.model_dump(), handles)
 

@@ -323,6 +323,13 @@ class ServerConfig(StrictModel):
         "the HAProxy data path (`seekserve serve --http-proxy haproxy`) to take Serve's Python proxy "
         "out of the path as well.",
     )
+    access_log: bool = Field(
+        True,
+        description="Ray Serve's access log: one line per request (method, route, status, latency) in each "
+        "replica's log file under the Ray session's logs/serve and on its stderr (Serve's LoggingConfig."
+        "enable_access_log, on by default; Serve's Python HTTP proxy, where it is in the path, logs its own). Off saves each request's formatting and two writes on the "
+        "replica's loop, the loop every stream's tokens pass through; our spans and metrics stay.",
+    )
     user_code_loop: Literal["auto", "separate", "shared"] = Field(
         "auto",
         description="Where each replica runs our code. 'shared' runs it on the replica's main loop, which also "

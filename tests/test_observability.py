@@ -186,3 +186,37 @@ def test_gpu_stack_splits_a_traced_first_token_into_its_legs(traced_app):
     whole_ms = (streamed.events["seekserve.first_chunk"] - streamed.start_ns) / 1e6
     assert legs["parse_p50_ms"] > 0 and legs["at_ingress_p50_ms"] > legs["engine_prefill_p50_ms"] > 0
     assert abs(legs["parse_p50_ms"] + legs["at_ingress_p50_ms"] - whole_ms) < 1e-3
+
+
+def _access_lines(request_id: str) -> list[str]:
+    """Serve's access-log lines for one request id, from every replica's log file of this Ray session."""
+    import ray
+
+    serve_logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    pattern = re.compile(rf" {re.escape(request_id)} -- ")
+    return [ln for f in serve_logs.glob("replica_*.log") for ln in f.read_text(errors="replace").splitlines()
+            if pattern.search(ln)]
+
+
+def test_access_log_is_a_setting(serve_session, traced_app):
+    """server.access_log: Serve's per-request line in the replicas' logs by default (the traced app), none when
+    off, while the request is still answered."""
+    from tests.conftest import null_config
+
+    cfg = null_config("quiet-null")
+    cfg["server"] = {"access_log": False}
+    deploy_app(cfg, name="quiet", route_prefix="/quiet")
+    try:
+        ids = {"on": f"acc-on-{os.getpid()}", "off": f"acc-off-{os.getpid()}"}
+        for key, (base, model) in {"on": (traced_app["base"], "smol-traced"),
+                                   "off": (serve_session["base"] + "/quiet", "quiet-null")}.items():
+            r = httpx.post(base + "/v1/completions", headers={"x-request-id": ids[key]}, timeout=120,
+                           json={"model": model, "prompt": "Hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        # the ingress and the model's replica each write one line for the request
+        on = wait_for(lambda: len(lines := _access_lines(ids["on"])) >= 2 and lines, timeout_s=30)
+        assert any("POST /traced/v1/completions 200" in ln for ln in on), on
+        assert any("CALL generate_full OK" in ln for ln in on), on
+        assert _access_lines(ids["off"]) == []
+    finally:
+        serve.delete("quiet")
