@@ -3,7 +3,7 @@
     python benchmarks/burst_path.py [--streams 64] [--tokens 16] [--step-ms 20] [--rounds 40] [--pairs 2]
         [--paths engine stack] [--set KEY=JSON] [--compare KEY=JSON] [--think-ms MEAN] [--http-proxy haproxy]
         [--stream-interval-ms MS] [--consumer generate|coalesced|pushed] [--clients httpx bare] [--trace]
-        [--out FILE]
+        [--access-log on|off] [--out FILE]
 
 A GPU engine hands out a pass's tokens together: at 64 streams 64 chunks at once, every ~5.8 ms on an H200,
 and every hop to the client (the engine process's relay, the replica, its HTTP stream, the client) takes them in
@@ -186,7 +186,7 @@ def run_stack(args) -> dict:
             "name": "stable", "weight": 100, "max_ongoing_requests": 1024,
             "engine": {"backend": "null", "process": "separate", "options": engine_options(args)}}]}],
         "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port, "direct_streaming": True,
-                   "stream_interval_ms": args.stream_interval_ms},
+                   "stream_interval_ms": args.stream_interval_ms, "access_log": args.access_log == "on"},
         "rollout": {"enabled": False},
         **({"tracing": {"exporter": "file", "file_path": str(trace_file)}} if args.trace else {}),
     }))
@@ -263,6 +263,8 @@ def main() -> None:
                         "alternating ABBA (not with --compare)")
     p.add_argument("--trace", action="store_true", help="the stack path: trace every request, split each load's "
                    "first token into legs")
+    p.add_argument("--access-log", choices=("on", "off"), default="on",
+                   help="the stack path's server.access_log (Serve's per-request log line, on by default)")
     add_http_proxy_arg(p)
     p.set_defaults(http_proxy="haproxy")
     p.add_argument("--out", default=str(ROOT / "results" / "burst_path.json"))
@@ -278,6 +280,7 @@ def main() -> None:
     res = {"command": " ".join(sys.argv), "streams": args.streams, "tokens": args.tokens, "step_ms": args.step_ms,
            "rounds": args.rounds, "think_ms": args.think_ms, "set": dict(args.set), "compare": args.compare, "http_proxy": args.http_proxy,
            "stream_interval_ms": args.stream_interval_ms, "consumer": args.consumer, "clients": args.clients,
+           "access_log": args.access_log,
            "paths": {}}
     for path in args.paths:
         res["paths"][path] = asyncio.run(run_engine(args)) if path == "engine" else run_stack(args)

@@ -304,6 +304,7 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
     from serve_app.config import parse_config
 
     res: dict = {"http_proxy": proxy, "engine_process": engine_process, "stream_interval_ms": args.stream_interval_ms,
+                 "access_log": args.access_log,
                  "ingress": ingress, "ingress_replicas": 0 if ingress == "direct" else args.ingress_replicas,
                  "engine_options_set": dict(args.set)}
     trace_file = Path(args.work) / f"traces{arm_suffix(proxy, engine_process, ingress, user_code_loop)}.jsonl"
@@ -318,7 +319,8 @@ def run_stack(args, proxy: str, opts: dict, gpus: int, engine_process: str = "in
         }]}],
         "server": {"host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
                    "ingress_max_ongoing_requests": 4096, **ingress_server_keys(ingress, args.ingress_replicas),
-                   "stream_interval_ms": args.stream_interval_ms, "user_code_loop": user_code_loop},
+                   "stream_interval_ms": args.stream_interval_ms, "user_code_loop": user_code_loop,
+                   "access_log": args.access_log == "on"},
         "rollout": {"enabled": False},
         **({"tracing": {"exporter": "file", "file_path": str(trace_file)}}
            if args.trace else {}),
@@ -532,6 +534,8 @@ def main() -> None:
                               "(each with every --http-proxy)", default="auto")
     add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
     add_user_code_loop_arg(p, many=True)  # several: each with every other arm
+    p.add_argument("--access-log", choices=("on", "off"), default="on",
+                   help="server.access_log: Serve's per-request log line in the replica (on by default)")
     p.add_argument("--think-ms", type=float, default=0.0,
                    help="as gpu_engine.py's: each stream's mean pause before each request after its first "
                         "(0: the closed loop, the targets' load)")
