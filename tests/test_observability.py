@@ -14,7 +14,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.conftest import _free_port, deploy_app, smol_config, wait_for
+from tests.conftest import _free_port, deploy_app, null_config, smol_config, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -201,8 +201,6 @@ def _access_lines(request_id: str) -> list[str]:
 def test_access_log_is_a_setting(serve_session, traced_app):
     """server.access_log: Serve's per-request line in the replicas' logs by default (the traced app), none when
     off, while the request is still answered."""
-    from tests.conftest import null_config
-
     cfg = null_config("quiet-null")
     cfg["server"] = {"access_log": False}
     deploy_app(cfg, name="quiet", route_prefix="/quiet")
