@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import _option, _options, compare_tag, concurrent_load, prompt_draw  # noqa: E402
 from benchmarks.gpu_stack import ClientLag, http_one, replica_handle, stream_body  # noqa: E402
-from benchmarks.loadgen import BareClient, add_http_proxy_arg, free_port, percentile, save_json, stat_cpu_s  # noqa: E402
+from benchmarks.loadgen import (BareClient, add_access_log_arg, add_http_proxy_arg, free_port, percentile,  # noqa: E402
+                               save_json, stat_cpu_s)
 
 _ids = itertools.count()
 
@@ -263,8 +264,7 @@ def main() -> None:
                         "alternating ABBA (not with --compare)")
     p.add_argument("--trace", action="store_true", help="the stack path: trace every request, split each load's "
                    "first token into legs")
-    p.add_argument("--access-log", choices=("on", "off"), default="on",
-                   help="the stack path's server.access_log (Serve's per-request log line, on by default)")
+    add_access_log_arg(p)  # the stack path's
     add_http_proxy_arg(p)
     p.set_defaults(http_proxy="haproxy")
     p.add_argument("--out", default=str(ROOT / "results" / "burst_path.json"))

@@ -31,6 +31,7 @@ from benchmarks.gpu_engine import (  # noqa: E402
     ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, _options, bench_options, compare_tag, concurrent_load, gap_line,
     prompt_draw, think_line)
 from benchmarks.loadgen import (  # noqa: E402
+    add_access_log_arg,
     add_engine_process_arg,
     add_http_proxy_arg,
     add_ingress_arg,
@@ -534,8 +535,7 @@ def main() -> None:
                               "(each with every --http-proxy)", default="auto")
     add_ingress_arg(p, many=True)  # several: each with every --http-proxy and --engine-process
     add_user_code_loop_arg(p, many=True)  # several: each with every other arm
-    p.add_argument("--access-log", choices=("on", "off"), default="on",
-                   help="server.access_log: Serve's per-request log line in the replica (on by default)")
+    add_access_log_arg(p)
     p.add_argument("--think-ms", type=float, default=0.0,
                    help="as gpu_engine.py's: each stream's mean pause before each request after its first "
                         "(0: the closed loop, the targets' load)")

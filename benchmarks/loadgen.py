@@ -60,6 +60,16 @@ def add_user_code_loop_arg(p, many: bool = False) -> None:
                         + ("; several one after the other, Ray restarted between" if many else ""))
 
 
+def add_access_log_arg(p) -> None:
+    """--access-log on|off: server.access_log for the benchmark's deployment, the app's default unless given
+    (read it as ``args.access_log == "on"``)."""
+    from serve_app.config import ServerConfig
+
+    p.add_argument("--access-log", choices=("on", "off"),
+                   default="on" if ServerConfig.model_fields["access_log"].default else "off",
+                   help="server.access_log: Serve's per-request log line in the replica (default: the app's)")
+
+
 def add_engine_process_arg(p, help_text: str, default: str = "inline") -> None:
     """--engine-process: engine.process values to run, in the order given."""
     from serve_app.engines.options import ENGINE_PROCESSES
