@@ -142,6 +142,7 @@ async def measure(senders: dict, set_options, stats, args, path: str) -> dict:
                 "output_tok_s": round(res["output_tok_s"], 1), "ttft_p50_ms": round(res["ttft_p50_ms"], 2),
                 "ttft_p95_ms": round(res["ttft_p95_ms"], 2), "ttft_mean_ms": round(statistics.fmean(ttfts), 2),
                 "engine_steps": after["forward_passes"] - before["forward_passes"], "client": lag.summary,
+                "client_legs": res["client_legs"],
                 "window_ns": [t0_ns, time.time_ns()],
                 "cpu_ms_per_request": {k: round(1000 * v / max(1, res["requests"]), 3) for k, v in cpu.cpu_s.items()}})
             print(loads[-1], flush=True)

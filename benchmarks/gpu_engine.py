@@ -497,13 +497,31 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3, think_m
         # to the first token with text (the engine alone), as a streaming HTTP client sees it
         "ttft_text_p50_ms": 1000 * percentile(texts, 50),
         "ttft_text_p95_ms": 1000 * percentile(texts, 95),
-        # [start s, TTFT ms, of it in the engine's queue ms (None where the sender does not know it)], in
-        # start order: the TTFT tail's requests, when they came and whether they waited or computed
-        "per_request": [[round(r["start_s"], 4), round(1000 * r["ttft_s"], 2),
-                         None if r.get("queue_s") is None else round(1000 * r["queue_s"], 2)]
+        # [start s, TTFT ms, of it in the engine's queue ms, the HTTP client's request written ms, its response
+        # headers after that ms (each None where the sender does not know it)], in start order: the TTFT
+        # tail's requests, when they came and whether they waited (and where) or computed
+        "per_request": [[round(r["start_s"], 4), round(1000 * r["ttft_s"], 2)]
+                        + [None if r.get(f) is None else round(1000 * r[f], 2) for f in ("queue_s", "sent_s", "headers_s")]
                         for r in sorted(ok, key=lambda r: r["start_s"])],
         "engine_queue": queue_summary([r["queue_s"] for r in ok if r.get("queue_s") is not None]),
+        "client_legs": client_legs_summary(ok),
     }
+
+
+def client_legs_summary(records: list[dict]) -> dict | None:
+    """An HTTP client's two legs before a response's first byte (gpu_stack.client_legs), p50 / p99 / max ms,
+    and the connections it opened: a first token that waited in the client (a pooled connection, a connect)
+    shows in ``sent``, one that waited in the proxy or the server before the handler's first send in
+    ``headers``. None for a sender that has no such legs (the engine alone)."""
+    timed = [r for r in records if r.get("sent_s") is not None and r.get("headers_s") is not None]
+    if not timed:
+        return None
+    out = {"new_connections": sum(1 for r in records if r.get("new_connection"))}
+    for leg in ("sent", "headers"):
+        ms = [1000 * r[f"{leg}_s"] for r in timed]
+        out.update({f"{leg}_p50_ms": round(percentile(ms, 50), 3), f"{leg}_p99_ms": round(percentile(ms, 99), 3),
+                    f"{leg}_max_ms": round(max(ms), 3)})
+    return out
 
 
 def queue_summary(queue_s: list[float]) -> dict | None:

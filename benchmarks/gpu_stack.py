@@ -38,6 +38,8 @@ from benchmarks.loadgen import (  # noqa: E402
     add_user_code_loop_arg,
     BareClient,
     bare_client_ttft_s,
+    tcp_counters,
+    tcp_counters_delta,
     free_port,
     ingress_server_keys,
     percentile,
@@ -51,11 +53,38 @@ def stream_body(model: str, prompt: list[int], out_tokens: int) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
+# httpcore's trace events (httpx's "trace" request extension) that split a request's way to its response
+# headers: a new connection, the request on the wire, the headers back
+CLIENT_LEG_EVENTS = {"connection.connect_tcp.complete": "connected",
+                     "http11.send_request_body.complete": "sent",
+                     "http11.receive_response_headers.complete": "headers"}
+
+
+def client_legs(t0: float, seen: dict) -> dict:
+    """``sent_s`` (from the call to the request written: the client's own work, a wait for a pooled
+    connection, a connect) and ``headers_s`` (from then to the response's headers: the proxy, the
+    replica's server and handler up to its first send, which for a stream carries its first chunk, so the
+    engine's first token too), and whether a connection was opened for it."""
+    out = {"new_connection": "connected" in seen}
+    if "sent" in seen:
+        out["sent_s"] = seen["sent"] - t0
+        if "headers" in seen:
+            out["headers_s"] = seen["headers"] - seen["sent"]
+    return out
+
+
 async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: int) -> dict:
     body = stream_body(model, prompt, out_tokens)
+    seen: dict[str, float] = {}
+
+    async def trace(event: str, info: dict) -> None:  # httpcore's events: where a slow first token waited
+        if event in CLIENT_LEG_EVENTS:
+            seen[CLIENT_LEG_EVENTS[event]] = time.perf_counter()
+
     t0 = time.perf_counter()
     first, tokens = None, 0
-    async with client.stream("POST", url, json=body) as r:
+    async with client.stream("POST", url, json=body, extensions={"trace": trace}) as r:
+        legs = client_legs(t0, seen)
         if r.status_code != 200:
             await r.aread()
             return {"ttft_s": None, "tokens": 0, "status": r.status_code}
@@ -70,7 +99,7 @@ async def http_one(client, url: str, model: str, prompt: list[int], out_tokens: 
             if '"completion_tokens"' in line:
                 tokens = json.loads(line[6:])["usage"]["completion_tokens"]
     # an SSE chunk carries text (textless tokens send none): this is gpu_engine's ttft_text
-    return {"ttft_s": first, "ttft_text_s": first, "e2e_s": time.perf_counter() - t0, "tokens": tokens}
+    return {"ttft_s": first, "ttft_text_s": first, "e2e_s": time.perf_counter() - t0, "tokens": tokens, **legs}
 
 
 def replica_handle():
@@ -187,11 +216,13 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None, start
 
         async def load(key: str, conc: int, rounds: int, client_name: str = args.clients[0]) -> None:
             before = await engine_counters(h)
+            tcp_before = tcp_counters()
             t0_ns = time.time_ns()
             with ClientLag() as lag:
                 out[key] = await concurrent_load(sender(client_name, conc), conc, prompt, rng, rounds,
                                                  think_ms=args.think_ms)
             out[key]["window_ns"] = [t0_ns, time.time_ns()]
+            out[key]["tcp"] = tcp_counters_delta(tcp_before, tcp_counters())
             out[key]["client"] = lag.summary
             await asyncio.sleep(0.2)  # an engine in its own process sends its counters with its outputs, <= 50 ms
             after = await engine_counters(h)
@@ -386,6 +417,20 @@ def client_gc_text(cl: dict) -> str:
     return f"; its full collections {cl['gc_collections'][2]}, longest {cl['gc_pause_max_ms'][2]:.1f} ms"
 
 
+def legs_text(legs: dict) -> str:
+    """A load's client legs (gpu_engine.client_legs_summary) on one line."""
+    return (f"request written p50 / p99 / max {legs['sent_p50_ms']:.2f} / {legs['sent_p99_ms']:.2f} / "
+            f"{legs['sent_max_ms']:.1f} ms, then response headers {legs['headers_p50_ms']:.2f} / "
+            f"{legs['headers_p99_ms']:.2f} / {legs['headers_max_ms']:.1f} ms; {legs['new_connections']} connections opened")
+
+
+def tcp_text(tcp: dict) -> str:
+    """The host's TCP counters over a load (loadgen.tcp_counters), the ones that mean a stall first."""
+    order = ("ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts", "RetransSegs", "ActiveOpens",
+             "AttemptFails", "EstabResets")
+    return ", ".join(f"{k} {tcp[k]}" for k in order if k in tcp)
+
+
 def ttft_spread(load: dict) -> tuple | None:
     """TTFT p25, p50, p75 over a load's requests, and the p50 of those started after its first wave's last
     arrival, from its per-request records (ms; None where the file has none)."""
@@ -434,6 +479,10 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
             print(f"  the client's own loop: late by p50 / p99 / max {cl['lag_p50_ms']:.2f} / {cl['lag_p99_ms']:.2f} / "
                   f"{cl['lag_max_ms']:.1f} ms, {100 * cl['cpu_share']:.0f} % of a core"
                   + client_gc_text(cl))
+        if c.get("client_legs"):
+            print(f"  the client's legs: {legs_text(c['client_legs'])}")
+        if c.get("tcp"):
+            print(f"  TCP during the load: {tcp_text(c['tcp'])}")
         if c["failed"]:
             print(f"  {c['failed']} requests failed")
         legs = c.get("first_token_legs")

@@ -201,6 +201,33 @@ async def run_load(
     return res
 
 
+# the kernel's TCP counters that a stalled connection or request leaves (Linux; both files are
+# "Prefix: names" / "Prefix: values" line pairs): a full accept queue drops SYNs, each retried after 1 s
+TCP_COUNTERS = {"TcpExt": ("ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts"),
+                "Tcp": ("ActiveOpens", "AttemptFails", "EstabResets", "RetransSegs")}
+
+
+def tcp_counters() -> dict[str, int]:
+    """This host's (network namespace's) TCP counters of :data:`TCP_COUNTERS` now; {} where /proc has none."""
+    out = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            continue
+        for names, values in zip(lines[::2], lines[1::2]):
+            prefix, names = names.split(":", 1)
+            wanted = TCP_COUNTERS.get(prefix, ())
+            for name, value in zip(names.split(), values.split(":", 1)[1].split()):
+                if name in wanted:
+                    out[name] = int(value)
+    return out
+
+
+def tcp_counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
 class BareClient:
     """Streamed completions from a bare asyncio client: a hand-written HTTP/1.1 request on a kept-alive
     connection per stream (``send(stream, body)``; a stream sends one request at a time), the response's bytes
@@ -217,18 +244,22 @@ class BareClient:
         self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
 
     async def send(self, stream: int, body: dict) -> dict:
-        """``{ttft_s, ttft_text_s, e2e_s, tokens}`` (the first SSE data message: an SSE chunk carries text), or
-        ``{ttft_s: None, tokens: 0, status}`` for an error status or a stream that ends in an error message."""
+        """``{ttft_s, ttft_text_s, e2e_s, tokens}`` (the first SSE data message: an SSE chunk carries text) with
+        the legs of gpu_stack.client_legs (``new_connection``, ``sent_s``, ``headers_s``), or ``{ttft_s: None,
+        tokens: 0, status}`` for an error status or a stream that ends in an error message."""
         payload = json.dumps(body).encode()
         head = (f"POST {self._path} HTTP/1.1\r\nHost: {self._netloc}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(payload)}\r\n\r\n").encode()
-        if stream not in self._conns:
+        t0, first = time.perf_counter(), None
+        new_connection = stream not in self._conns
+        if new_connection:
             self._conns[stream] = await asyncio.open_connection(self._host, self._port)
         reader, writer = self._conns[stream]
-        t0, first = time.perf_counter(), None
         try:
             writer.write(head + payload)
+            sent = time.perf_counter()
             buf = await reader.readuntil(b"\r\n\r\n")  # the status line and headers
+            legs = {"new_connection": new_connection, "sent_s": sent - t0, "headers_s": time.perf_counter() - sent}
             status = buf.split(b" ", 2)[1].decode(errors="replace")
             if status != "200":  # an error's body is not chunked: drop the connection rather than read it
                 self._drop(stream)
@@ -247,7 +278,8 @@ class BareClient:
         if b'data: {"error"' in buf:  # the headers had gone out: the error came in the stream (as http_one: 500)
             return {"ttft_s": None, "tokens": 0, "status": 500, "in_band_error": True}
         counts = re.findall(rb'"completion_tokens":\s*(\d+)', buf)
-        return {"ttft_s": first, "ttft_text_s": first, "e2e_s": e2e_s, "tokens": int(counts[-1]) if counts else 0}
+        return {"ttft_s": first, "ttft_text_s": first, "e2e_s": e2e_s, "tokens": int(counts[-1]) if counts else 0,
+                **legs}
 
     def _drop(self, stream: int) -> None:
         conn = self._conns.pop(stream, None)

@@ -335,3 +335,82 @@ def test_a_stream_that_thinks_sends_its_next_request_after_its_pause():
     c = stream0(closed_starts)
     assert c[2] - c[0] < pause0[0]  # the closed loop: back to back
     assert "pause 60 ms" in think_line({"concurrency_2": thinking}) and think_line({"concurrency_2": closed}) == ""
+
+
+async def _slow_headers_server(headers_delay_s: float):
+    """A loopback HTTP/1.1 server that reads each request whole, waits, then streams one SSE chunk (a
+    completion's usage) and [DONE], chunked, keeping the connection: what a proxy or a busy replica looks like to
+    a client's two legs."""
+    import asyncio
+
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                await asyncio.sleep(headers_delay_s)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                for data in (b'data: {"usage": {"completion_tokens": 3}}\n\n', b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_both_clients_split_a_slow_first_byte_into_the_request_written_and_the_headers_after():
+    # a first token that waited: in the client (a connection to open, a pooled one to wait for) or behind
+    # the proxy and server; the legs say which, from httpx's trace events and from the bare client's own clock
+    import asyncio
+
+    import httpx
+
+    from benchmarks.gpu_engine import client_legs_summary
+    from benchmarks.gpu_stack import http_one, stream_body
+    from benchmarks.loadgen import BareClient
+
+    delay_s = 0.08
+
+    async def run() -> dict:
+        server = await _slow_headers_server(delay_s)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        async with server:
+            async with httpx.AsyncClient() as client:
+                via_httpx = [await http_one(client, url, "m", [1, 2], 3) for _ in range(2)]
+            bare = BareClient(url)
+            via_bare = [await bare.send(0, stream_body("m", [1, 2], 3)) for _ in range(2)]
+            bare.close()
+        return {"httpx": via_httpx, "bare": via_bare}
+
+    for name, records in asyncio.run(run()).items():
+        assert [r["tokens"] for r in records] == [3, 3], name
+        # one connection per client, opened by its first request and kept for the second
+        assert [r["new_connection"] for r in records] == [True, False], name
+        for r in records:
+            assert r["headers_s"] >= delay_s * 0.95 and r["sent_s"] < delay_s / 2, (name, r)
+            assert r["ttft_s"] >= r["sent_s"] + r["headers_s"] - 1e-6, (name, r)
+        legs = client_legs_summary(records)
+        assert legs["new_connections"] == 1 and legs["headers_max_ms"] >= 0.95 * 1000 * delay_s > legs["sent_max_ms"]
+    assert client_legs_summary([{"ttft_s": 0.01}]) is None  # a sender without legs: the engine alone
+
+
+def test_the_tcp_counters_see_a_connection_opened():
+    import socket
+
+    from benchmarks.loadgen import tcp_counters, tcp_counters_delta
+
+    before = tcp_counters()
+    if not before:
+        import pytest
+        pytest.skip("no /proc/net/snmp here (not Linux)")
+    assert {"ListenOverflows", "ListenDrops", "TCPSynRetrans", "ActiveOpens"} <= set(before)
+    server = socket.create_server(("127.0.0.1", 0))
+    with socket.create_connection(server.getsockname()):
+        pass
+    server.close()
+    delta = tcp_counters_delta(before, tcp_counters())
+    assert delta["ActiveOpens"] >= 1 and all(v >= 0 for v in delta.values())  # counters only grow
