@@ -126,6 +126,24 @@ def test_the_stack_report_gives_the_ttfts_quartiles_and_the_median_after_the_fir
     assert "not comparable" in out
 
 
+def test_the_stack_report_gives_each_clients_loads_against_one_engine(monkeypatch, capsys):
+    # the twenty-sixth session's runs 102-103 (docs/benchmarks.md, on an H100): httpx then the bare client, then
+    # the other order, each client's loads against the same engine column
+    engine = "gpu_engine-h100-2026-12-05-7c79368-AH-mixed512-separate-cold-think0.json"
+    stack = "gpu_stack-h100-2026-12-05-7c79368-AH-haproxy-direct-shared-mixed512-separate-think0-{}.json"
+    first, then = stack_report(monkeypatch, capsys, engine, stack.format("httpx-bare")).split(
+        "from the bare client, the same deployment, the same engine column:")
+    assert "the loads' client: httpx" in first
+    assert "+8.3 ms" in first and "+1.9 ms" in first and "+4.7 ms" in first
+    assert "+-0.7 ms" in then and "+-0.1 ms" in then and "+1.0 ms" in then
+    first, then = stack_report(monkeypatch, capsys, engine, stack.format("bare-httpx")).split(
+        "from the httpx client, the same deployment, the same engine column:")
+    assert "+0.9 ms" in first and "+0.8 ms" in first and "+1.1 ms" in first
+    assert "3440      3856  89 % of engine" in then and "+10.9 ms" in then
+    # files from before the client legs and the TCP counters print neither
+    assert "the client's legs" not in first + then and "TCP during the load" not in first + then
+
+
 def test_the_stack_report_pairs_the_launch_lead_runs_with_the_engine_under_its_compare(monkeypatch, capsys):
     # the eighteenth session's table (docs/benchmarks.md, runs 83-85): both stack runs against AC's engine in its
     # own process, once as started (no lead) and once under its launch_lead_ms=2 compare
@@ -370,7 +388,7 @@ def test_both_clients_split_a_slow_first_byte_into_the_request_written_and_the_h
     import httpx
 
     from benchmarks.gpu_engine import client_legs_summary
-    from benchmarks.gpu_stack import http_one, stream_body
+    from benchmarks.gpu_stack import http_one, legs_text, stream_body
     from benchmarks.loadgen import BareClient
 
     delay_s = 0.08
@@ -395,6 +413,7 @@ def test_both_clients_split_a_slow_first_byte_into_the_request_written_and_the_h
             assert r["ttft_s"] >= r["sent_s"] + r["headers_s"] - 1e-6, (name, r)
         legs = client_legs_summary(records)
         assert legs["new_connections"] == 1 and legs["headers_max_ms"] >= 0.95 * 1000 * delay_s > legs["sent_max_ms"]
+        assert legs_text(legs).endswith("; 1 connections opened") and f"{legs['headers_max_ms']:.1f} ms" in legs_text(legs)
     assert client_legs_summary([{"ttft_s": 0.01}]) is None  # a sender without legs: the engine alone
 
 
