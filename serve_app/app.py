@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, HTTPOptions, gRPCOptions
 
@@ -137,6 +139,22 @@ def build_app(config: AppConfig):
 
 def http_options(config: AppConfig) -> HTTPOptions:
     return HTTPOptions(host=config.server.host, port=config.server.http_port)
+
+
+def bind_warning(host: str, alive_nodes: int) -> str | None:
+    """What to tell an operator who deploys an API bound to a loopback address on a cluster of several nodes;
+    None when the address is not loopback or the cluster is one node. Not an error: loopback behind an SSH
+    tunnel or a proxy on the head is a deliberate choice, and the embedded default binds 127.0.0.1 so that
+    `make serve` exposes nothing."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: what it resolves to is the operator's
+        return None
+    if not loopback or alive_nodes < 2:
+        return None
+    return (f"server.host is {host} on a cluster of {alive_nodes} nodes: each node's proxy answers only on its own "
+            f"loopback, so clients on other machines are refused (and Serve's HAProxy cannot reach replicas on "
+            f"other nodes); set server.host: 0.0.0.0 to serve them, with auth.mode: api_keys")
 
 
 GRPC_SERVICERS = [

@@ -47,6 +47,7 @@ def cmd_serve(args) -> int:
     ray.init(address=args.address, include_dashboard=False, log_to_driver=not args.quiet)
     print(f"deploying {args.config} (first start dequantises the embedded model: ~30 s)", flush=True)
     deploy(cfg)
+    _warn_bind(cfg)
     url = f"http://{cfg.server.host}:{cfg.server.http_port}"
     model = cfg.models[0].name
     print(f"\nseekserve is serving at {url}/v1  (models: {', '.join(m.name for m in cfg.models)})")
@@ -155,7 +156,17 @@ def cmd_deploy(args) -> int:
     deploy(cfg)
     print(f"deployed {args.config}: http://{cfg.server.host}:{cfg.server.http_port}/v1, "
           f"grpc {cfg.server.host}:{cfg.server.grpc_port}")
+    _warn_bind(cfg)
     return 0
+
+
+def _warn_bind(cfg) -> None:
+    from cluster.placement import cluster_node_gpus
+    from serve_app.app import bind_warning
+
+    warning = bind_warning(cfg.server.host, len(cluster_node_gpus()))
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.serve.config import HTTPOptions  # noqa: E402
 
-from serve_app.app import build_app, llm_deployment_name  # noqa: E402
+from serve_app.app import bind_warning, build_app, llm_deployment_name  # noqa: E402
 from serve_app.config import ConfigError, parse_config  # noqa: E402
 from cluster.placement import check_capacity, cluster_node_gpus  # noqa: E402
 
@@ -54,6 +54,17 @@ def main():
     cluster.wait_for_nodes()
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=free_port()))
     out = {"worker_nodes": sorted(n.node_id for n in nodes), "node_gpus": sorted(cluster_node_gpus())}
+    # what `seekserve deploy` warns of on this cluster, for a loopback bind and for all interfaces, and what the
+    # command prints after deploying a config that binds the default loopback address
+    out["bind_warning"] = {h: bind_warning(h, len(cluster_node_gpus())) for h in ("127.0.0.1", "0.0.0.0")}
+    import contextlib
+    import io
+
+    from serve_app.cli import _warn_bind
+
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        _warn_bind(config("bind", 1, 1))
+    out["deploy_stderr"] = err.getvalue()
 
     serve.run(build_app(config("tp4", 4, 2)), name="tp4", route_prefix="/tp4")
     out["tp4"] = placements("tp4", "tp4", 2)

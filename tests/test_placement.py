@@ -70,6 +70,26 @@ def test_unplaceable_replica_shows_pending_with_reason(probe):
     assert "to be scheduled" in probe["status_text"]
 
 
+@pytest.mark.slow
+def test_a_loopback_bind_on_a_cluster_of_several_nodes_is_warned_of(probe):
+    # clients on other machines would be refused by every node's proxy: `seekserve deploy` says so and how to fix it
+    warned = probe["bind_warning"]
+    assert "server.host is 127.0.0.1 on a cluster of 3 nodes" in warned["127.0.0.1"]
+    assert "set server.host: 0.0.0.0" in warned["127.0.0.1"]
+    assert warned["0.0.0.0"] is None
+    assert probe["deploy_stderr"].startswith("warning: server.host is 127.0.0.1 on a cluster of 3 nodes")
+
+
+def test_a_loopback_bind_is_only_warned_of_where_other_machines_would_be_refused():
+    from serve_app.app import bind_warning
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert bind_warning(host, 1) is None  # one node: `make serve` on a laptop
+        assert f"server.host is {host} on a cluster of 2 nodes" in bind_warning(host, 2)
+    for host in ("0.0.0.0", "::", "10.0.0.5", "serve.internal"):
+        assert bind_warning(host, 8) is None
+
+
 def test_hf_tp_must_divide_smollm2_heads_and_use_the_dynamic_cache():
     def variant(tp, gpus=1, **options):
         return {"name": "v", "tensor_parallel_size": tp, "resources": {"num_gpus": gpus},
