@@ -38,11 +38,11 @@ from benchmarks.loadgen import (  # noqa: E402
     add_user_code_loop_arg,
     BareClient,
     bare_client_ttft_s,
-    tcp_counters,
-    tcp_counters_delta,
     free_port,
     ingress_server_keys,
     percentile,
+    tcp_counters,
+    tcp_counters_delta,
 )
 
 ADMIN_TOKEN = "gpu-stack-bench"
