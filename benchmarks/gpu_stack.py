@@ -41,6 +41,7 @@ from benchmarks.loadgen import (  # noqa: E402
     free_port,
     ingress_server_keys,
     percentile,
+    TCP_COUNTERS,
     tcp_counters,
     tcp_counters_delta,
 )
@@ -425,10 +426,8 @@ def legs_text(legs: dict) -> str:
 
 
 def tcp_text(tcp: dict) -> str:
-    """The host's TCP counters over a load (loadgen.tcp_counters), the ones that mean a stall first."""
-    order = ("ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts", "RetransSegs", "ActiveOpens",
-             "AttemptFails", "EstabResets")
-    return ", ".join(f"{k} {tcp[k]}" for k in order if k in tcp)
+    """The host's TCP counters over a load (loadgen.tcp_counters), in TCP_COUNTERS' order."""
+    return ", ".join(f"{k} {tcp[k]}" for names in TCP_COUNTERS.values() for k in names if k in tcp)
 
 
 def ttft_spread(load: dict) -> tuple | None:

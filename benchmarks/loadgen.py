@@ -202,9 +202,10 @@ async def run_load(
 
 
 # the kernel's TCP counters that a stalled connection or request leaves (Linux; both files are
-# "Prefix: names" / "Prefix: values" line pairs): a full accept queue drops SYNs, each retried after 1 s
+# "Prefix: names" / "Prefix: values" line pairs): a full accept queue drops SYNs, each retried after 1 s.
+# In the order a report prints them: the ones that mean a stall first
 TCP_COUNTERS = {"TcpExt": ("ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts"),
-                "Tcp": ("ActiveOpens", "AttemptFails", "EstabResets", "RetransSegs")}
+                "Tcp": ("RetransSegs", "ActiveOpens", "AttemptFails", "EstabResets")}
 
 
 def tcp_counters() -> dict[str, int]:

@@ -3,6 +3,8 @@ cluster (ray.cluster_utils.Cluster, 2 worker nodes x 4 logical GPUs), Serve on
 it, and TP deployments of the null engine whose rank workers hold the bundles.
 Prints one JSON line with what was observed."""
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -19,6 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.serve.config import HTTPOptions  # noqa: E402
 
 from serve_app.app import bind_warning, build_app, llm_deployment_name  # noqa: E402
+from serve_app.cli import _warn_bind  # noqa: E402
 from serve_app.config import ConfigError, parse_config  # noqa: E402
 from cluster.placement import check_capacity, cluster_node_gpus  # noqa: E402
 
@@ -57,11 +60,6 @@ def main():
     # what `seekserve deploy` warns of on this cluster, for a loopback bind and for all interfaces, and what the
     # command prints after deploying a config that binds the default loopback address
     out["bind_warning"] = {h: bind_warning(h, len(cluster_node_gpus())) for h in ("127.0.0.1", "0.0.0.0")}
-    import contextlib
-    import io
-
-    from serve_app.cli import _warn_bind
-
     with contextlib.redirect_stderr(io.StringIO()) as err:
         _warn_bind(config("bind", 1, 1))
     out["deploy_stderr"] = err.getvalue()
