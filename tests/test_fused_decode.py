@@ -79,20 +79,15 @@ needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++
                                reason="Inductor's CPU backend needs a C++ compiler")
 
 
-def _eager_and_compiled(compile_step: bool, fuse: bool = True,
-                        row_multiple: int = 0) -> tuple[SlotDecoder, SlotDecoder]:
+def _eager_and_compiled(compile_step: bool, fuse: bool = True) -> tuple[SlotDecoder, SlotDecoder]:
     """Two decoders over one tiny Qwen2 (the second to be compiled), with Dynamo's caches and counters
-    cleared so a test counts only its own compiles. With ``row_multiple`` the second runs on a copy of the
-    model whose o and down GEMMs pad their rows, so the first's unpadded results are what it must match."""
+    cleared so a test counts only its own compiles."""
     from torch._dynamo.utils import counters
 
     model = _tiny("qwen2")
-    other = copy.deepcopy(model) if row_multiple else model
     if fuse:
         fuse_projections(model)
-        if other is not model:
-            fuse_projections(other, row_multiple=row_multiple)
-    pair = _decoder(model, compile_step=False), _decoder(other, compile_step=compile_step)
+    pair = _decoder(model, compile_step=False), _decoder(model, compile_step=compile_step)
     torch._dynamo.reset()
     counters.clear()
     return pair
@@ -118,41 +113,11 @@ def test_span_step_rebuckets_the_spans_up_to_the_full_length():
     assert dec.positions[0].item() == 101
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_padded_rows_reach_the_o_and_down_gemms_of_prefill_passes_only_and_change_no_result(arch):
-    model = _tiny(arch)
-    padded = copy.deepcopy(model)
-    fuse_projections(padded, row_multiple=16)
-    rows_seen = []
-    for layer in padded.model.layers:
-        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            linear.register_forward_pre_hook(lambda _m, args: rows_seen.append(tuple(args[0].shape[:-1])))
-    ids = torch.randint(10, 400, (2, 19))
-    with torch.no_grad():
-        torch.testing.assert_close(padded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
-        assert set(rows_seen) == {(48,)}  # 2 x 19 positions, flattened and padded to 3 x 16
-        rows_seen.clear()
-        a = model.generate(ids[:1], max_new_tokens=4, do_sample=False)
-        b = padded.generate(ids[:1], max_new_tokens=4, do_sample=False)
-    assert a.tolist() == b.tolist()
-    layers = model.config.num_hidden_layers
-    # the prompt's pass padded (19 -> 32 rows), then three decode steps as they are: one position per sequence
-    assert rows_seen == [(32,)] * 2 * layers + [(1, 1)] * 2 * layers * 3
-    with pytest.raises(ValueError, match="row_multiple"):
-        fuse_projections(padded, row_multiple=-1)
-    assert fuse_projections(padded, row_multiple=0) == 0  # already fused: only the multiple changes
-    rows_seen.clear()
-    with torch.no_grad():
-        padded(ids)
-    assert set(rows_seen) == {(2, 19)}
-
-
 @needs_cxx
-@pytest.mark.parametrize("row_multiple", [0, 16])
-def test_one_compile_serves_every_decode_bucket_with_the_eager_results(row_multiple):
+def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
     from torch._dynamo.utils import counters
 
-    eager, compiled = _eager_and_compiled(compile_step=True, row_multiple=row_multiple)
+    eager, compiled = _eager_and_compiled(compile_step=True)
     with torch.inference_mode():
         compiled.compile_prefill_pass()  # as capture() does on a GPU: the prefill compiles first
         compiled.compile()
@@ -172,11 +137,10 @@ def test_one_compile_serves_every_decode_bucket_with_the_eager_results(row_multi
 
 
 @needs_cxx
-@pytest.mark.parametrize("row_multiple", [0, 16])
-def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results(row_multiple):
+def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results():
     from torch._dynamo.utils import counters
 
-    eager, compiled = _eager_and_compiled(compile_step=False, row_multiple=row_multiple)
+    eager, compiled = _eager_and_compiled(compile_step=False)
     with torch.inference_mode():
         compiled.compile_prefill_pass()
         assert compiled.prefill_compile_error is None and compiled.prefill_compiled
@@ -274,14 +238,13 @@ def test_one_prompt_passes_padded_to_the_captured_lengths_leave_what_the_exact_p
 
 
 @needs_cxx
-@pytest.mark.parametrize("row_multiple", [0, 16])
-def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do(row_multiple):
+def test_one_compiled_mixed_pass_does_what_a_decode_step_then_a_prefill_do():
     # the captured mixed passes are this compiled function at each (prompt length, rows, span); here the
     # keys run it directly on the same buffers. The new prompt's slot (3) lies inside the decode rows: its
     # free row writes position 0 in the same pass, and the prompt must win
     from torch._dynamo.utils import counters
 
-    eager, compiled = _eager_and_compiled(compile_step=True, row_multiple=row_multiple)
+    eager, compiled = _eager_and_compiled(compile_step=True)
     compiled.mixed_graph_tokens, compiled.mixed_rows = 128, [4, 8]
     with torch.inference_mode():
         compiled.compile_mixed_pass()

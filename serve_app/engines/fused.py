@@ -13,16 +13,6 @@ cache ``update`` call); only the projections are merged. Modules of any other
 class are left as they are: a model this module does not know runs unfused.
 Tensor-parallel shards are never fused (transformers' ``tp_plan`` splits
 ``q_proj``/``gate_proj`` by name).
-
-With ``row_multiple``, the attention output and MLP down projections of a
-pass of several positions per sequence (prefill, mixed) run on rows padded
-up to a multiple of it. Why: cuBLAS tiles some row counts badly, and the
-mixed pass's are among them. On an H200 at M = 576 (one 512-token prompt and
-64 decode rows) those two GEMMs ran at 481 and 537 TFLOP/s against 663 and
-664 at M = 640 (docs/gpu_notes.md run 60), while the q/k/v and gate/up GEMMs
-run no faster at 640, so only these two are padded. Decode steps (one
-position per sequence) are never padded: there a GEMM reads its weights
-whatever its rows, and extra rows only add work.
 """
 
 from __future__ import annotations
@@ -53,21 +43,6 @@ def _merged_linear(parts):
     return merged
 
 
-def _project(linear, x, multiple: int):
-    """``linear(x)``; with ``multiple`` and several positions per sequence, on x's rows padded with zeros
-    to a multiple of it, the padding's outputs dropped. The test is on a static size under torch.compile
-    (a decode step's position dimension is the literal 1), so it adds no guard, and the padding is a
-    symbolic size that Inductor folds into the copy that makes the GEMM's input."""
-    import torch.nn.functional as F
-
-    if not multiple or x.shape[-2] == 1:
-        return linear(x)
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    out = linear(F.pad(flat, (0, 0, 0, (-rows) % multiple)))
-    return out[:rows].view(*x.shape[:-1], out.shape[-1])
-
-
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                        **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -86,23 +61,18 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
     out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **extra, **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
-    return _project(self.o_proj, out, self.row_multiple), weights
+    return self.o_proj(out), weights
 
 
 def _mlp_forward(self, x):
     gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return _project(self.down_proj, self.act_fn(gate) * up, self.row_multiple)
+    return self.down_proj(self.act_fn(gate) * up)
 
 
-def fuse_projections(model, row_multiple: int = 0) -> int:
-    """Merges q/k/v and gate/up projections in place and sets their modules' ``row_multiple`` (the module
-    docstring; on modules fused before too); returns how many modules were fused by this call."""
-    if row_multiple < 0:
-        raise ValueError(f"row_multiple must be >= 0; got {row_multiple}")
+def fuse_projections(model) -> int:
+    """Merges q/k/v and gate/up projections in place; returns how many modules were fused."""
     fused = 0
     for module in model.modules():
-        if hasattr(module, "qkv_proj") or hasattr(module, "gate_up_proj"):
-            module.row_multiple = row_multiple
         name = type(module).__name__
         if name in _ATTENTION_CLASSES and not hasattr(module, "qkv_proj"):
             source = sys.modules[type(module).__module__]
@@ -113,13 +83,11 @@ def fuse_projections(model, row_multiple: int = 0) -> int:
             module.eager_fn = source.eager_attention_forward
             del module.q_proj, module.k_proj, module.v_proj
             module.forward = types.MethodType(_attention_forward, module)
-            module.row_multiple = row_multiple
             fused += 1
         elif name in _MLP_CLASSES and not hasattr(module, "gate_up_proj"):
             module.gate_up_proj = _merged_linear([module.gate_proj, module.up_proj])
             del module.gate_proj, module.up_proj
             module.forward = types.MethodType(_mlp_forward, module)
-            module.row_multiple = row_multiple
             fused += 1
     if not fused:
         log.info("fuse_projections: no known Llama-family modules in %s; running unfused", type(model).__name__)

@@ -267,7 +267,7 @@ class HFEngine(HFTokenization, Engine):
         if opts.fuse_projections:
             from .fused import fuse_projections
 
-            fuse_projections(self.model, row_multiple=opts.gemm_row_multiple)
+            fuse_projections(self.model)
         use_graphs = device == "cuda" and opts.cuda_graphs
         sizes = opts.cuda_graph_batch_sizes or (
             [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(96, opts.max_num_seqs + 1, 32)))

@@ -101,14 +101,6 @@ class HFEngineOptions(StrictModel):
         description="Static KV path: merge each layer's q/k/v and gate/up projections into one GEMM "
         "each (Llama/Qwen2/Mistral layers; others run unfused). Same results, fewer kernels.",
     )
-    gemm_row_multiple: int = Field(
-        0, ge=0, le=1024,
-        description="Static KV path, fused projections: pad the rows of the attention output and MLP down "
-        "projections in prefill and mixed passes (never decode steps) up to a multiple of this; 0, the "
-        "default: no padding. cuBLAS tiles some row counts badly: on an H200, 7B, a mixed pass of one "
-        "512-token prompt and 64 decode rows is M = 576, where those two GEMMs ran at 481 and 537 TFLOP/s "
-        "against 663 and 664 at 640 (docs/gpu_notes.md run 60). Results are the same either way.",
-    )
     compile_decode: bool = Field(
         True,
         description="CUDA-graph decode: torch.compile (Inductor, dynamic shapes) the decode step before its "
