@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import percentile  # noqa: E402
 from serve_app import gcpause  # noqa: E402
+from serve_app.engines.launch_timing import pass_times_delta  # noqa: E402
 
 QWEN7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
               intermediate_size=18944, vocab_size=152064, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -200,6 +201,8 @@ async def run(args) -> dict:
         # gpu_gap*: the GPU between consecutive passes (what a launch lead too short, or a host wait, costs)
         for counter in ENGINE_COUNTERS:
             results[key][counter] = getattr(after, counter) - getattr(before, counter)
+        # the GPU time of the load's passes by kind, from the engine's own events (any engine process)
+        results[key]["gpu_pass"] = pass_times_delta(before.gpu_pass_ms, after.gpu_pass_ms)
         results[key]["gc"] = gc_pauses.snapshot()  # the process's collections so far
         save()
 
@@ -611,6 +614,17 @@ def gap_line(r: dict) -> str | None:
             f"({r['gpu_gap_total_ms'] / r['gpu_gaps_measured'] * 1000:.0f} us each), {r['gpu_gaps_late']} over 0.1 ms")
 
 
+def pass_line(r: dict, top: int = 4) -> str | None:
+    """One load's passes that took the most GPU time, by kind (the engine's ``gpu_pass_ms``): mean ms and
+    count; None where the run did not time them (files before 2026-12-05's twenty-seventh session, the
+    CPU)."""
+    passes = r.get("gpu_pass")
+    if not passes:
+        return None
+    heavy = sorted(passes.items(), key=lambda kv: -kv[1]["total_ms"])[:top]
+    return ", ".join(f"{label} {v['mean_ms']:.2f} ms x {v['passes']}" for label, v in heavy)
+
+
 def compare_tag(change: dict) -> str:
     return ",".join(f"{k}={json.dumps(v)}" for k, v in change.items())
 
@@ -712,6 +726,8 @@ def main() -> None:
     def print_gaps(label: str, r: dict) -> None:
         if gap_line(r):
             print(f"{label:<34}  {gap_line(r)}")
+        if pass_line(r):
+            print(f"{'  GPU per pass, the heaviest kinds':<34}  {pass_line(r)}")
 
     def print_steady(label: str, r: dict) -> None:
         print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill, "

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from serve_app import gcpause  # noqa: E402
 from benchmarks.gpu_engine import (  # noqa: E402
     ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, _options, bench_options, compare_tag, concurrent_load, gap_line,
-    prompt_draw, think_line)
+    pass_line, prompt_draw, think_line)
+from serve_app.engines.launch_timing import pass_times_delta  # noqa: E402
 from benchmarks.loadgen import (  # noqa: E402
     add_access_log_arg,
     add_engine_process_arg,
@@ -179,9 +180,10 @@ class ClientLag:
 
 
 async def engine_counters(h) -> dict:
-    """The replica engine's counters now (ENGINE_COUNTERS), through a Serve handle."""
+    """The replica engine's counters now (ENGINE_COUNTERS), and its passes' GPU time by kind (``gpu_pass_ms``),
+    through a Serve handle."""
     s = await h.stats.remote()
-    return {c: s.get(c) or 0 for c in ENGINE_COUNTERS}
+    return {**{c: s.get(c) or 0 for c in ENGINE_COUNTERS}, "gpu_pass_ms": s.get("gpu_pass_ms") or {}}
 
 
 async def drive(base: str, model: str, args, checkpoint=lambda part: None, started_options: dict | None = None) -> dict:
@@ -228,6 +230,7 @@ async def drive(base: str, model: str, args, checkpoint=lambda part: None, start
             await asyncio.sleep(0.2)  # an engine in its own process sends its counters with its outputs, <= 50 ms
             after = await engine_counters(h)
             out[key].update({c: after[c] - before[c] for c in ENGINE_COUNTERS})
+            out[key]["gpu_pass"] = pass_times_delta(before["gpu_pass_ms"], after["gpu_pass_ms"])
             checkpoint(out)
 
         for key, conc, rounds, _ in loads(args):
@@ -493,6 +496,8 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
         for who, r in (("stack", c), ("engine", a)):
             if gap_line(r):
                 print(f"  GPU between passes, {who}: {gap_line(r)}")
+            if pass_line(r):
+                print(f"  GPU per pass, {who}: {pass_line(r)}")
 
 
 def print_report(res: dict, alone: dict | None, args) -> None:

@@ -64,6 +64,17 @@ def test_queue_summary_counts_the_requests_that_met_their_pass_boundary():
     assert queue_summary([0.003, 0.004])["under_2ms_share"] == 0.0
 
 
+def test_the_pass_line_names_the_kinds_that_took_the_most_gpu_time():
+    from benchmarks.gpu_engine import pass_line
+
+    assert pass_line({}) is None and pass_line({"gpu_pass": {}}) is None  # files before it, the CPU
+    load = {"gpu_pass": {"decode_r64": {"passes": 1200, "total_ms": 7020.0, "mean_ms": 5.85},
+                         "mixed_512_r64": {"passes": 195, "total_ms": 3262.0, "mean_ms": 16.73},
+                         "decode_r8": {"passes": 30, "total_ms": 141.0, "mean_ms": 4.7},
+                         "prefill_3p": {"passes": 40, "total_ms": 1400.0, "mean_ms": 35.0}}}
+    assert pass_line(load, top=3) == "decode_r64 5.85 ms x 1200, mixed_512_r64 16.73 ms x 195, prefill_3p 35.00 ms x 40"
+
+
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.engines.launch_timing import GapMeter, PassTimer, launch_wait_s
+from serve_app.engines.launch_timing import GapMeter, PassTimer, PassTimes, launch_wait_s, pass_label, pass_times_delta
 
 
 def test_a_kind_never_measured_has_no_prediction_and_launches_at_once():
@@ -122,8 +122,46 @@ def test_the_engine_measures_the_gap_between_the_passes_it_reads():
     eng = HFEngine(HFEngineOptions(model="/unused"))
     for index, (start, end) in enumerate([(0.0, 5.8), (6.3, 12.1), (12.1, 17.9)], start=1):
         eng._inflight = _InFlight([], torch.zeros(1, dtype=torch.long), torch.zeros(1), FakeCudaEvent(end), 0,
-                                  ("decode", 64, 768), launched_s=0.0, index=index, start_event=FakeCudaEvent(start))
+                                  ("decode", (64, 768)), launched_s=0.0, index=index,
+                                  start_event=FakeCudaEvent(start))
         eng._read_inflight()
     s = eng.stats()
     assert (s.gpu_gaps_measured, s.gpu_gaps_late) == (2, 1)
     assert s.gpu_gap_total_ms == pytest.approx(0.5)
+    # and each pass's own GPU time, by kind: three decode steps of 5.8 ms
+    assert list(s.gpu_pass_ms) == ["decode_r64"]
+    assert s.gpu_pass_ms["decode_r64"][0] == 3
+    assert s.gpu_pass_ms["decode_r64"][1] == pytest.approx(3 * 5.8)
+    before = s.gpu_pass_ms
+    eng._inflight = _InFlight([], torch.zeros(1, dtype=torch.long), torch.zeros(1), FakeCudaEvent(35.0), 0,
+                              ("mixed", (512, 64, 768, False)), launched_s=0.0, index=4,
+                              start_event=FakeCudaEvent(18.3))
+    eng._read_inflight()
+    assert pass_times_delta(before, eng.stats().gpu_pass_ms) == {
+        "mixed_512_r64": {"passes": 1, "total_ms": 16.7, "mean_ms": 16.7}}
+    assert before["decode_r64"][0] == 3  # a snapshot, not the live sums
+
+
+def test_passes_are_summed_by_kind_and_a_load_is_the_difference_of_two_snapshots():
+    assert pass_label(("decode", (24, 768))) == "decode_r24"
+    assert pass_label(("mixed", (512, 64, 768, False))) == "mixed_512_r64"
+    assert pass_label(("mixed", (64, 32, 1024, True))) == "mixed_64_r32_resume"
+    assert pass_label(("prefill", None), prompts=3) == "prefill_3p"
+    with pytest.raises(ValueError, match="valid: decode, mixed, prefill"):
+        pass_label(("verify", None))
+    times = PassTimes()
+    times.add("decode_r64", 5.8)
+    times.add("mixed_512_r64", 16.5)
+    first = times.snapshot()
+    times.add("decode_r64", 6.0)
+    times.add("decode_r64", 5.9)
+    times.add("prefill_3p", 33.0)
+    second = times.snapshot()
+    assert first == {"decode_r64": [1, 5.8], "mixed_512_r64": [1, 16.5]}  # unchanged by later passes
+    delta = pass_times_delta(first, second)
+    # the mixed kind had no pass in between: left out
+    assert set(delta) == {"decode_r64", "prefill_3p"}
+    assert delta["decode_r64"]["passes"] == 2
+    assert delta["decode_r64"]["mean_ms"] == pytest.approx(5.95)
+    assert delta["prefill_3p"] == {"passes": 1, "total_ms": 33.0, "mean_ms": 33.0}
+    assert pass_times_delta({}, {}) == {}

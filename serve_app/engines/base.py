@@ -164,6 +164,8 @@ class EngineStats:
     gpu_gaps_measured: int = 0
     gpu_gap_total_ms: float = 0.0
     gpu_gaps_late: int = 0  # of gpu_gaps_measured, over 0.1 ms: the pass launched after the GPU ran dry
+    # the GPU time of the passes by kind, label -> [passes, total ms] (hf static cache on CUDA; launch_timing.PassTimes)
+    gpu_pass_ms: dict[str, list[float]] = field(default_factory=dict)
     healthy: bool = True
 
     def as_dict(self) -> dict[str, Any]:

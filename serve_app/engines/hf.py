@@ -39,7 +39,7 @@ from serve_app.errors import (
 
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ends_stream, handout_order
 from .hf_batch import LocalRunner, resolve_device_dtype
-from .launch_timing import GapMeter, PassTimer, launch_wait_s
+from .launch_timing import GapMeter, PassTimer, PassTimes, launch_wait_s, pass_label
 from .options import HFEngineOptions
 from .prefill_policy import PrefillContext, hold_prefill
 from .textproc import IncrementalDetokenizer, StopStringFilter
@@ -171,6 +171,7 @@ class HFEngine(HFTokenization, Engine):
         self._inflight: _InFlight | None = None  # the launched, not yet read pass (static, cuda)
         self._pass_timer = PassTimer()  # the GPU time of recent passes, for launch_lead_ms
         self._gaps = GapMeter()  # the GPU's time between passes, while there is work
+        self._pass_times = PassTimes()  # the GPU time of each pass, by kind
         self._gpu_free_s: float | None = None  # when the last pass read had ended, if the host saw it end
         self._chunked: _Seq | None = None  # static: the prompt being prefilled in chunks (mixed_chunk_tokens)
         self._outbox: list[tuple[_Seq, object]] = []
@@ -445,6 +446,7 @@ class HFEngine(HFTokenization, Engine):
             gpu_gaps_measured=self._gaps.measured,
             gpu_gap_total_ms=self._gaps.total_ms,
             gpu_gaps_late=self._gaps.late,
+            gpu_pass_ms=self._pass_times.snapshot(),
             healthy=self._fatal is None,
         )
 
@@ -717,8 +719,11 @@ class HFEngine(HFTokenization, Engine):
         self._start_static(new)
         start = self._start_event()
         logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
+        queued = self._start_event()  # after the pass's last kernel: its own span, without the sampling's
         self._first_tokens(new, logits)
         self._waited_for(start)
+        if queued is not None:  # complete: the host waited for a later event
+            self._pass_times.add(pass_label(("prefill", None), len(new)), start.elapsed_time(queued))
 
     def _waited_for(self, start) -> None:
         """A pass the host has just waited for (its tokens read at once), started at ``start``: the GapMeter's
@@ -867,6 +872,8 @@ class HFEngine(HFTokenization, Engine):
             if not ended_before and p.started_exact:
                 self._pass_timer.observe(p.kind, now - p.started_s)
             self._gaps.on_read(p.index, p.start_event, p.event)
+            if p.start_event is not None:
+                self._pass_times.add(pass_label(p.kind), p.start_event.elapsed_time(p.event))
         toks, lps = p.host_tok[:p.n].tolist(), p.host_lp[:p.n].tolist()
         for row, seq in p.snapshot:
             if not seq.finished:  # finished a step earlier, or aborted: its extra token is dropped

@@ -93,3 +93,57 @@ class GapMeter:
     def restart(self) -> None:
         """The engine had nothing to run: the next pass's wait is not measured."""
         self._prev = None
+
+
+def pass_label(kind: tuple, prompts: int = 0) -> str:
+    """A pass's label in :class:`PassTimes`: ``decode_r{rows}`` for a decode step of that row bucket,
+    ``mixed_{length}_r{rows}`` (``_resume`` for a later chunk) for a mixed pass, ``prefill_{n}p`` for a
+    prefill pass of n prompts that the host waited for."""
+    what, key = kind
+    if what == "decode":
+        return f"decode_r{key[0]}"
+    if what == "mixed":
+        length, rows, _span, resumes = key
+        return f"mixed_{length}_r{rows}" + ("_resume" if resumes else "")
+    if what == "prefill":
+        return f"prefill_{prompts}p"
+    raise ValueError(f"unknown pass kind {what!r}; valid: decode, mixed, prefill")
+
+
+class PassTimes:
+    """The GPU time of every pass, summed by label (:func:`pass_label`), from the events recorded around
+    each pass: the same events the GapMeter reads.
+
+    Why: what a pass costs under load is what a change to the passes (a kernel, a GEMM size, a graph) is
+    judged by, and a run's throughput moves ±2 % between machines and runs. The replay probes that time
+    passes alone need the engine in the benchmark's process, so with the engine in its own process (a GPU
+    replica's layout) and through the stack they cannot run; these sums come back with the engine's stats
+    from any process. A pipelined pass's span runs from its start event (which the GPU reaches when the
+    pass before ends) to the event after its tokens' copy to the host, so it holds the pass and its
+    sampling; a prefill pass the host waited for, to the event after its last kernel was queued, so it also
+    holds any launch gaps of an uncaptured pass."""
+
+    def __init__(self):
+        self._sums: dict[str, list[float]] = {}
+
+    def add(self, label: str, ms: float) -> None:
+        entry = self._sums.setdefault(label, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms
+
+    def snapshot(self) -> dict[str, list[float]]:
+        """label -> [passes, total ms], a copy."""
+        return {label: list(v) for label, v in self._sums.items()}
+
+
+def pass_times_delta(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """What happened between two :meth:`PassTimes.snapshot` (a load's passes): label -> passes, total and
+    mean GPU ms, for the labels with passes in between."""
+    out = {}
+    for label, (n, total_ms) in after.items():
+        n0, t0 = before.get(label, (0, 0.0))
+        if n > n0:
+            out[label] = {"passes": int(n - n0), "total_ms": round(total_ms - t0, 3),
+                          "mean_ms": round((total_ms - t0) / (n - n0), 4)}
+    return out
+
