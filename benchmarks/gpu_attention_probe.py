@@ -16,6 +16,9 @@ their own lengths. On cuda the 28 calls are captured in one CUDA graph and repla
 Variants:
 - ``engine``: serve_app.engines.slot_kv.slot_attention (query heads grouped per KV head, matmul, masked
   fp32 softmax, matmul), under torch.compile as in the engine's compiled step.
+- ``engine_reduce``: the engine's form with both matmuls written as a broadcast multiply and a sum, so
+  Inductor generates its own reduction kernels (K and V read by Triton, the scores and the softmax fused
+  with them where it can) instead of calling cuBLAS's batched GEMM at 7 query rows per KV head.
 - ``sdpa_*``: F.scaled_dot_product_attention with each KV head's 7 query heads as 7 query positions (no
   GQA support needed, K and V read once) and an additive mask shared by the layers; ``default`` lets
   torch pick, ``efficient`` / ``cudnn`` force a backend.
@@ -50,7 +53,7 @@ from benchmarks.loadgen import print_table, save_json  # noqa: E402
 # DeepSeek-R1-Distill-Qwen-7B's attention (gpu_engine.QWEN7B)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 28, 28, 4, 128
 COPY_TB_S = 4.2  # the H200's measured copy bandwidth (docs/gpu_notes.md)
-VARIANTS = ("engine", "sdpa_default", "sdpa_efficient", "sdpa_cudnn", "flex", "flex_block", "flash_unmasked")
+VARIANTS = ("engine", "engine_reduce", "sdpa_default", "sdpa_efficient", "sdpa_cudnn", "flex", "flex_block", "flash_unmasked")
 
 
 def make_inputs(torch, rows: int, span: int, max_len: int, layers: int, slots: int, device, seed: int = 0):
@@ -97,6 +100,20 @@ def build_variant(torch, name: str, pos, span: int, scale: float):
 
         def layer(q, k, v, mask):
             return slot_attention(None, q, k, v, mask, scaling=scale)[0]
+
+        def setup():
+            return (span_ids[None, :] <= pos[:, None])[:, None, None, :]
+
+        return setup, torch.compile(layer, dynamic=False)
+
+    if name == "engine_reduce":
+        def layer(q, k, v, mask):
+            b = q.shape[0]
+            qg = q.reshape(b, KV_HEADS, group, 1, HEAD_DIM).float()
+            scores = (qg * k.unsqueeze(2)).sum(-1) * scale  # [rows, KVH, g, span]
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out = (probs.unsqueeze(-1) * v.unsqueeze(2)).sum(-2)  # [rows, KVH, g, d]
+            return out.to(q.dtype).reshape(b, 1, HEADS, HEAD_DIM)
 
         def setup():
             return (span_ids[None, :] <= pos[:, None])[:, None, None, :]

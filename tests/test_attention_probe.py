@@ -16,7 +16,7 @@ def inputs():
     return make_inputs(torch, rows=3, span=48, max_len=64, layers=1, slots=3, device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("variant", ["engine", "sdpa_default", "flex_block"])
+@pytest.mark.parametrize("variant", ["engine", "engine_reduce", "sdpa_default", "flex_block"])
 def test_variant_matches_the_float64_reference(inputs, variant):
     res = run_variant(torch, variant, 3, 48, inputs, reps=1)
     assert res["max_abs_err"] < 2e-2, res
