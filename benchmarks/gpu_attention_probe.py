@@ -53,7 +53,8 @@ from benchmarks.loadgen import print_table, save_json  # noqa: E402
 # DeepSeek-R1-Distill-Qwen-7B's attention (gpu_engine.QWEN7B)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 28, 28, 4, 128
 COPY_TB_S = 4.2  # the H200's measured copy bandwidth (docs/gpu_notes.md)
-VARIANTS = ("engine", "engine_reduce", "sdpa_default", "sdpa_efficient", "sdpa_cudnn", "flex", "flex_block", "flash_unmasked")
+VARIANTS = ("engine", "engine_reduce", "sdpa_default", "sdpa_efficient", "sdpa_cudnn", "flex", "flex_block",
+            "flash_unmasked")
 
 
 def make_inputs(torch, rows: int, span: int, max_len: int, layers: int, slots: int, device, seed: int = 0):

@@ -146,4 +146,3 @@ def pass_times_delta(before: dict[str, list[float]], after: dict[str, list[float
             out[label] = {"passes": int(n - n0), "total_ms": round(total_ms - t0, 3),
                           "mean_ms": round((total_ms - t0) / (n - n0), 4)}
     return out
-
