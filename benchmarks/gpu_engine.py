@@ -490,6 +490,7 @@ async def concurrent_load(send, conc: int, prompt, rng, rounds: int = 3, think_m
     texts = [r["ttft_text_s"] for r in ok if r.get("ttft_text_s") is not None]
     return {
         "requests": n, "failed": n - len(ok), "output_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "wall_s": round(wall, 3),
         # every request asks for the same fixed length: another count is a token lost or doubled
         "token_counts": {str(k): v for k, v in sorted(collections.Counter(r["tokens"] for r in ok).items())},
         "first_wave_last_arrival_s": round(first[-1], 3),
@@ -625,6 +626,25 @@ def pass_line(r: dict, top: int = 4) -> str | None:
     return ", ".join(f"{label} {v['mean_ms']:.2f} ms x {v['passes']}" for label, v in heavy)
 
 
+def gpu_budget_line(r: dict) -> str | None:
+    """Where one load's GPU time went: the passes' time by family (decode steps, mixed passes, prefill passes
+    the host waited for), the time between consecutive passes, and the rest of the load's wall time (the GPU
+    with no pass to run: the first arrivals, the last streams' tail, host waits the gaps do not count). None
+    where the run did not time its passes."""
+    passes = r.get("gpu_pass")
+    if not passes or not r.get("wall_s"):
+        return None
+    families: dict[str, list[float]] = {}
+    for label, v in passes.items():
+        fam = families.setdefault(label.split("_")[0], [0, 0.0])
+        fam[0] += v["passes"]
+        fam[1] += v["total_ms"] / 1000
+    gaps_s = r.get("gpu_gap_total_ms", 0.0) / 1000
+    rest_s = r["wall_s"] - sum(f[1] for f in families.values()) - gaps_s
+    parts = [f"{name} {t:.2f} s / {int(n)}" for name, (n, t) in sorted(families.items(), key=lambda kv: -kv[1][1])]
+    return f"{', '.join(parts)}; between passes {gaps_s:.2f} s; the rest {rest_s:.2f} s of {r['wall_s']:.2f} s"
+
+
 def compare_tag(change: dict) -> str:
     return ",".join(f"{k}={json.dumps(v)}" for k, v in change.items())
 
@@ -728,6 +748,7 @@ def main() -> None:
             print(f"{label:<34}  {gap_line(r)}")
         if pass_line(r):
             print(f"{'  GPU per pass, the heaviest kinds':<34}  {pass_line(r)}")
+            print(f"{'  GPU time by pass family':<34}  {gpu_budget_line(r)}")
 
     def print_steady(label: str, r: dict) -> None:
         print(f"{label:<34}{r['output_tok_s']:>12.0f}  ({r['forward_passes']} passes, {r['prefill_passes']} prefill, "

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from serve_app import gcpause  # noqa: E402
 from benchmarks.gpu_engine import (  # noqa: E402
     ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, _options, bench_options, compare_tag, concurrent_load, gap_line,
-    pass_line, prompt_draw, think_line)
+    gpu_budget_line, pass_line, prompt_draw, think_line)
 from serve_app.engines.launch_timing import pass_times_delta  # noqa: E402
 from benchmarks.loadgen import (  # noqa: E402
     add_access_log_arg,
@@ -498,6 +498,7 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
                 print(f"  GPU between passes, {who}: {gap_line(r)}")
             if pass_line(r):
                 print(f"  GPU per pass, {who}: {pass_line(r)}")
+                print(f"  GPU time by pass family, {who}: {gpu_budget_line(r)}")
 
 
 def print_report(res: dict, alone: dict | None, args) -> None:

@@ -75,6 +75,20 @@ def test_the_pass_line_names_the_kinds_that_took_the_most_gpu_time():
     assert pass_line(load, top=3) == "decode_r64 5.85 ms x 1200, mixed_512_r64 16.73 ms x 195, prefill_3p 35.00 ms x 40"
 
 
+def test_the_gpu_budget_adds_the_families_the_gaps_and_the_rest_up_to_the_loads_wall_time():
+    from benchmarks.gpu_engine import gpu_budget_line
+
+    load = {"wall_s": 14.0, "gpu_gap_total_ms": 300.0,
+            "gpu_pass": {"decode_r64": {"passes": 1200, "total_ms": 7020.0, "mean_ms": 5.85},
+                         "decode_r8": {"passes": 30, "total_ms": 141.0, "mean_ms": 4.7},
+                         "mixed_512_r64": {"passes": 195, "total_ms": 3262.0, "mean_ms": 16.73},
+                         "prefill_3p": {"passes": 40, "total_ms": 1400.0, "mean_ms": 35.0}}}
+    # decode 7.161 s over 1,230 passes; 14 - 7.161 - 3.262 - 1.4 - 0.3 = 1.877 s with no pass running
+    assert gpu_budget_line(load) == ("decode 7.16 s / 1230, mixed 3.26 s / 195, prefill 1.40 s / 40; "
+                                     "between passes 0.30 s; the rest 1.88 s of 14.00 s")
+    assert gpu_budget_line({"wall_s": 3.0}) is None and gpu_budget_line({"gpu_pass": load["gpu_pass"]}) is None
+
+
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
