@@ -165,3 +165,32 @@ def test_passes_are_summed_by_kind_and_a_load_is_the_difference_of_two_snapshots
     assert delta["decode_r64"]["mean_ms"] == pytest.approx(5.95)
     assert delta["prefill_3p"] == {"passes": 1, "total_ms": 33.0, "mean_ms": 33.0}
     assert pass_times_delta({}, {}) == {}
+
+
+def test_a_snapshot_taken_while_the_engine_adds_passes_is_whole():
+    # the engine's thread adds; the relay (engine process) or the replica's loop takes snapshots meanwhile
+    import sys
+    import threading
+
+    times = PassTimes()
+    done = threading.Event()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads change hands often, as they may on a busy replica
+
+    def engine():
+        for i in range(600_000):
+            times.add(f"k{i % 20000}", 1.0)  # new labels for a while, then repeats
+        done.set()
+
+    t = threading.Thread(target=engine)
+    t.start()
+    snapshots = 0
+    try:
+        while not done.is_set() or snapshots == 0:
+            for n, total_ms in times.snapshot().values():
+                assert total_ms == n * 1.0  # no pass counted without its time
+            snapshots += 1
+    finally:
+        sys.setswitchinterval(switch)
+        t.join()
+    assert sum(n for n, _ in times.snapshot().values()) == 600_000

@@ -124,16 +124,18 @@ class PassTimes:
     holds any launch gaps of an uncaptured pass."""
 
     def __init__(self):
-        self._sums: dict[str, list[float]] = {}
+        # immutable pairs, each replaced by one store: the engine's thread adds while another thread (the
+        # replica's loop, the engine process's relay) takes a snapshot, and a dict copied in one call under
+        # the GIL neither sees a pass half added nor fails on a label added meanwhile
+        self._sums: dict[str, tuple[int, float]] = {}
 
     def add(self, label: str, ms: float) -> None:
-        entry = self._sums.setdefault(label, [0, 0.0])
-        entry[0] += 1
-        entry[1] += ms
+        n, total_ms = self._sums.get(label, (0, 0.0))
+        self._sums[label] = (n + 1, total_ms + ms)
 
     def snapshot(self) -> dict[str, list[float]]:
         """label -> [passes, total ms], a copy."""
-        return {label: list(v) for label, v in self._sums.items()}
+        return {label: list(v) for label, v in dict(self._sums).items()}
 
 
 def pass_times_delta(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
