@@ -673,7 +673,7 @@ class HFEngine(HFTokenization, Engine):
         key = self._slots.mixed_key(len(chunk), rows, max(longest, end) if start else longest, resumes=start > 0)
         if key is None:  # mixed passes switched off on a live engine (a benchmark's compare)
             raise EngineError("chunked prefill lost its mixed passes")
-        began = self._start_event()
+        began = self._timed_event()
         prompt_logits, step = self._slots.mixed(key, chunk, seq.slot, self._pad_id, start=start)
         self._stats.forward_passes += 1
         self._stats.prefill_passes += 1
@@ -696,7 +696,7 @@ class HFEngine(HFTokenization, Engine):
         if key is None:
             return False
         self._start_static(new)
-        began = self._start_event()
+        began = self._timed_event()
         prompt_logits, step = self._slots.mixed(key, seq.req.prompt_token_ids, seq.slot, self._pad_id)
         self._after_mixed(key, busy, rows, step, prompt_logits, new, began)
         return True
@@ -717,9 +717,9 @@ class HFEngine(HFTokenization, Engine):
 
     def _prefill_static(self, new: list[_Seq]) -> None:
         self._start_static(new)
-        start = self._start_event()
+        start = self._timed_event()
         logits = self._slots.prefill([s.req.prompt_token_ids for s in new], [s.slot for s in new], self._pad_id)
-        queued = self._start_event()  # after the pass's last kernel: its own span, without the sampling's
+        queued = self._timed_event()  # after the pass's last kernel: its own span, without the sampling's
         self._first_tokens(new, logits)
         self._waited_for(start)
         if queued is not None:  # complete: the host waited for a later event
@@ -730,10 +730,7 @@ class HFEngine(HFTokenization, Engine):
         too, so the time the host takes around it shows."""
         if start is None:
             return
-        import torch
-
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end = self._timed_event()
         end.synchronize()  # at once: the host read the pass's tokens already
         self._gaps.on_read(self._stats.forward_passes, start, end)
 
@@ -755,7 +752,7 @@ class HFEngine(HFTokenization, Engine):
         written on the device, so nothing waits for the host."""
         rows, span = self._rows_and_span(busy)
         self._stats.forward_passes += 1
-        start = self._start_event()
+        start = self._timed_event()
         # greedy, inside the step
         return self._after_launch(busy, rows, *(t[:rows] for t in self._slots.decode(rows, span)),
                                   kind=("decode", self._slots.decode_key(rows, span)), start=start)
@@ -827,9 +824,9 @@ class HFEngine(HFTokenization, Engine):
         return _InFlight(snapshot, host_tok, host_lp, event, n, kind, time.monotonic(),
                          index=self._stats.forward_passes, start_event=start)
 
-    def _start_event(self):
-        """A timed event recorded now on the GPU, before a pass's kernels (GapMeter); None without
-        CUDA."""
+    def _timed_event(self):
+        """A timed event recorded now on the GPU's stream: before a pass's kernels, or after them (GapMeter,
+        PassTimes); None without CUDA."""
         if self._slots.device.type != "cuda":
             return None
         import torch
@@ -885,7 +882,7 @@ class HFEngine(HFTokenization, Engine):
         import torch
 
         rows, span = self._rows_and_span(busy)
-        start = self._start_event()
+        start = self._timed_event()
         logits = self._slots.decode(rows, span)[0][:rows]  # the step moved the positions on already
         self._stats.forward_passes += 1
         slots = torch.tensor([s.slot for s in busy], dtype=torch.long).to(self.device)
