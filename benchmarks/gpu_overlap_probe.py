@@ -1,7 +1,7 @@
 """Prefill passes and decode steps side by side on one GPU: do their times add, or overlap?
 
-    python benchmarks/gpu_overlap_probe.py [--prefills 8] [--steps 16] [--carveouts 0,32] [--green 0,44]
-                                           [--out DIR]
+    python benchmarks/gpu_overlap_probe.py [--prefills 8] [--steps 16] [--carveouts 16,32] [--green-prefill 100]
+                                           [--green-decode 32,64] [--out DIR]
 
 Why: at 64 x 10 the engine keeps the GPU ~98 % busy with passes run one after another (docs/gpu_notes.md), so
 what stands between ~5,100 tok/s and the 6,000 target is the passes' own cost. But the two kinds are bound by
@@ -26,8 +26,10 @@ everything is queued before the GPU starts, and times them with CUDA events (med
   thread blocks first as SMs free up; nothing is pre-empted);
 - ``carveout N``: the prefill graph recaptured while cuBLAS is asked to leave N SMs free
   (``torch._C._set_sm_carveout_experimental``), decode high: room for the decode kernels beside the GEMMs;
-- ``green N``: decode launched in a CUDA green context of N SMs and prefill in one of the rest (torch's
-  ``torch.cuda.green_contexts``), where the torch on the machine has them.
+- ``green prefill N`` / ``green decode N``: that kind's graph captured on the stream of a CUDA green context of
+  N SMs (torch's ``torch.cuda.green_contexts``), the other free on a high-priority stream; ``alone ms`` is the
+  confined kind alone on its N SMs. (Run 108 replayed graphs captured outside a green context on its stream:
+  their time did not change at 32 SMs, so the partition binds work captured in it, if any.)
 
 ``hidden`` is the share of the shorter kind's time that the arm hid: (prefill alone + decode alone - arm) /
 min(prefill alone, decode alone). An arm that fails is a result. Prints a table last and writes
@@ -194,53 +196,53 @@ def carveout_arm(torch, dec, launch: Launchers, sms: int, prefills: int, steps: 
             dec.capture_prefill_graphs()
 
 
-def green_arm(torch, launch: Launchers, decode_sms: int, prefills: int, steps: int, reps: int) -> dict:
-    """Decode in a green context of ``decode_sms`` SMs, prefill in one of the rest."""
+def green_context(torch, num_sms: int):
     from torch.cuda import green_contexts
 
     if not green_contexts.SUPPORTED:
         raise RuntimeError("this torch has no green contexts")
-    total = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        return green_contexts.GreenContext.create(num_sms=num_sms, device_id=0)
+    except TypeError:  # the first form (torch 2.9) took them positionally
+        return green_contexts.GreenContext.create(num_sms, 0)
 
-    def create(n):
-        try:
-            return green_contexts.GreenContext.create(num_sms=n, device_id=0)
-        except TypeError:  # the first form (torch 2.9) took them positionally
-            return green_contexts.GreenContext.create(n, 0)
 
-    ctx_d, ctx_p = create(decode_sms), create(total - decode_sms)
-    row: dict = {"api": sorted(a for a in dir(ctx_d) if not a.startswith("_"))}
-    if hasattr(ctx_d, "Stream"):
-        streams = {"decode": ctx_d.Stream(), "prefill": ctx_p.Stream()}
-        row["decode_alone_ms"] = timed(torch, lambda start: on_streams(
-            torch, [("decode", launch.decode)] * steps, {"decode": streams["decode"]}, start), reps)["total_ms"]
-        row["prefill_alone_ms"] = timed(torch, lambda start: on_streams(
-            torch, [("prefill", launch.prefill)] * prefills, {"prefill": streams["prefill"]}, start),
-            reps)["total_ms"]
-        order = interleaved(prefills, steps, launch.prefill, launch.decode)
-        row.update(timed(torch, lambda start: on_streams(torch, order, streams, start), reps))
-        return row
-    # the older form: the context made current for each launch, on its own default stream, and popped
-    enter, leave = (("set_context", "pop_context") if hasattr(ctx_d, "set_context")
-                    else ("make_current", "pop_current"))
-    sides = {"decode": torch.cuda.Stream(), "prefill": torch.cuda.Stream()}
-    ctxs = {"decode": ctx_d, "prefill": ctx_p}
+def captured_in(torch, dec, kind: str, stream):
+    """The decode step or the prefill pass captured anew on ``stream`` (in a pool of its own)."""
+    from serve_app.engines.slot_kv import capture_graph
 
-    def in_ctx(name, fn):
-        def run():
-            getattr(ctxs[name], enter)()
-            try:
-                fn()
-            finally:
-                getattr(ctxs[name], leave)()
-        return run
+    with torch.inference_mode():
+        if kind == "decode":
+            run = lambda: dec._step(ROWS, SPAN)  # noqa: E731
+        else:
+            ids, slot_ids, last, _ = dec._prefill_in[:4]
+            fn = dec._prefill_graph_fn()
+            run = lambda: fn(ids[:PROMPT].view(1, PROMPT), slot_ids, last)  # noqa: E731
+        with torch.compiler.set_stance("fail_on_recompile"):
+            graph, _ = capture_graph(run, torch.cuda.graph_pool_handle(), stream)
+    torch.cuda.synchronize()
+    return graph
 
-    d, p = in_ctx("decode", launch.decode), in_ctx("prefill", launch.prefill)
-    row["decode_alone_ms"] = timed(torch, lambda start: on_streams(
-        torch, [("decode", d)] * steps, {"decode": sides["decode"]}, start), reps)["total_ms"]
-    row["prefill_alone_ms"] = timed(torch, lambda start: on_streams(
-        torch, [("prefill", p)] * prefills, {"prefill": sides["prefill"]}, start), reps)["total_ms"]
-    row.update(timed(torch, lambda start: on_streams(torch, interleaved(prefills, steps, p, d), sides, start), reps))
+
+def green_arm(torch, dec, launch: Launchers, kind: str, sms: int, prefills: int, steps: int, reps: int) -> dict:
+    """One kind's graph captured on the stream of a green context of ``sms`` SMs; the other kind's graph as the
+    engine captured it, on a stream of the highest priority. torch makes each green context by its own split of
+    the device's SMs, so two of them would overlap: only one kind is confined, and the other may use every SM.
+    The confined kind alone says what it keeps of its speed on ``sms`` SMs."""
+    ctx = green_context(torch, sms)
+    if not hasattr(ctx, "Stream"):
+        raise RuntimeError("this torch's green contexts give no stream to capture on")
+    confined = ctx.Stream()
+    graph = captured_in(torch, dec, kind, confined)
+    other = "prefill" if kind == "decode" else "decode"
+    fns = {kind: graph.replay, other: getattr(launch, other)}
+    streams = {kind: confined, other: torch.cuda.Stream(priority=-10)}
+    counts = {"decode": steps, "prefill": prefills}
+    row = {"confined": kind, "sms": sms}
+    row[f"{kind}_alone_ms"] = timed(torch, lambda start: on_streams(
+        torch, [(kind, fns[kind])] * counts[kind], {kind: confined}, start), reps)["total_ms"]
+    order = interleaved(prefills, steps, fns["prefill"], fns["decode"])
+    row.update(timed(torch, lambda start: on_streams(torch, order, streams, start), reps))
     return row
 
 
@@ -251,7 +253,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16, help="batch-64 decode steps per arm")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--carveouts", default="32", help="comma-separated SMs left free by cuBLAS; empty for none")
-    p.add_argument("--green", default="44", help="comma-separated SMs of the decode green context; empty for none")
+    p.add_argument("--green-prefill", default="100", help="comma-separated SMs of a green context the prefill pass "
+                   "is confined to (decode free, high priority); empty for none")
+    p.add_argument("--green-decode", default="32,64", help="comma-separated SMs of a green context the decode step "
+                   "is confined to (prefill free); empty for none")
     args = p.parse_args()
     import torch
 
@@ -280,8 +285,9 @@ def main() -> None:
             ("prefill high", lambda: stream_arm(torch, launch, n_p, n_d, reps, prio_p=-10))]
     arms += [(f"carveout {n}", lambda n=int(n): carveout_arm(torch, dec, launch, n, n_p, n_d, reps))
              for n in args.carveouts.split(",") if n.strip()]
-    arms += [(f"green {n}", lambda n=int(n): green_arm(torch, launch, n, n_p, n_d, reps))
-             for n in args.green.split(",") if n.strip()]
+    for kind, sms in (("prefill", args.green_prefill), ("decode", args.green_decode)):
+        arms += [(f"green {kind} {n}", lambda k=kind, n=int(n): green_arm(torch, dec, launch, k, n, n_p, n_d, reps))
+                 for n in sms.split(",") if n.strip()]
     for name, fn in arms:
         try:
             row = fn()
@@ -299,7 +305,8 @@ def main() -> None:
             rows.append({"arm": name, "total ms": "failed", "hidden": r["error"][:80]})
             continue
         row = {"arm": name, "total ms": r["total_ms"], "prefill end ms": r.get("prefill", ""),
-               "decode end ms": r.get("decode", "")}
+               "decode end ms": r.get("decode", ""),
+               "alone ms": r.get("prefill_alone_ms", r.get("decode_alone_ms", ""))}
         if pa and da and name not in ("prefill alone", "decode alone"):
             row["hidden"] = f"{hidden_share(pa, da, r['total_ms']):.0%}"
             row["per prompt ms"] = f"{r['total_ms'] / n_p:.2f}"
@@ -308,7 +315,8 @@ def main() -> None:
     save()
     print(f"\n{n_p} one-prompt prefill passes ({PROMPT} tokens) and {n_d} decode steps ({ROWS} rows, span {SPAN}); "
           f"{res['gpu']}, torch {res['torch']}; setup {res['setup_s']} s")
-    print_table(rows, ["arm", "total ms", "prefill end ms", "decode end ms", "hidden", "per prompt ms"])
+    print_table(rows, ["arm", "total ms", "prefill end ms", "decode end ms", "hidden", "per prompt ms",
+                       "alone ms"])
 
 
 if __name__ == "__main__":
