@@ -28,7 +28,9 @@ everything is queued before the GPU starts, and times them with CUDA events (med
   (``torch._C._set_sm_carveout_experimental``), decode high: room for the decode kernels beside the GEMMs;
 - ``green prefill N`` / ``green decode N``: that kind's graph captured on the stream of a CUDA green context of
   N SMs (torch's ``torch.cuda.green_contexts``), the other free on a high-priority stream; ``alone ms`` is the
-  confined kind alone on its N SMs. (Run 108 replayed graphs captured outside a green context on its stream:
+  confined kind alone on its N SMs.
+- ``split N``: one split of the SMs into two disjoint green contexts through the driver, decode captured in
+  the N-SM one and prefill in the rest; ``alone ms`` is prefill / decode alone in their parts. (Run 108 replayed graphs captured outside a green context on its stream:
   their time did not change at 32 SMs, so the partition binds work captured in it, if any.)
 
 ``hidden`` is the share of the shorter kind's time that the arm hid: (prefill alone + decode alone - arm) /
@@ -246,6 +248,64 @@ def green_arm(torch, dec, launch: Launchers, kind: str, sms: int, prefills: int,
     return row
 
 
+class DisjointGreenContexts:
+    """Two CUDA green contexts on disjoint SMs, from one split of the device's (``first_sms`` and the rest), each
+    with a stream torch can use. torch's own GreenContext.create splits the device anew for each context, so
+    two of them overlap; this goes to the driver (libcuda through ctypes, no extra package): cuDeviceGetDevResource,
+    cuDevSmResourceSplitByCount (which gives the group and the remainder), cuDevResourceGenerateDesc,
+    cuGreenCtxCreate and cuGreenCtxStreamCreate (CUDA 12.5+)."""
+
+    RESOURCE_BYTES = 256  # CUdevResource is 136-144 bytes (CUDA 13 / 12); opaque here, the SM count at byte 96
+    SM_COUNT_OFFSET = 96
+
+    def __init__(self, torch, first_sms: int):
+        import ctypes
+
+        cu = ctypes.CDLL("libcuda.so.1")
+
+        def check(name, *args):
+            rc = getattr(cu, name)(*args)
+            if rc != 0:
+                raise RuntimeError(f"{name} returned CUDA error {rc}")
+
+        torch.cuda.init()
+        dev = ctypes.c_int()
+        check("cuDeviceGet", ctypes.byref(dev), torch.cuda.current_device())
+        whole = ctypes.create_string_buffer(self.RESOURCE_BYTES)
+        check("cuDeviceGetDevResource", dev, whole, 1)  # CU_DEV_RESOURCE_TYPE_SM
+        group, rest = ctypes.create_string_buffer(self.RESOURCE_BYTES), ctypes.create_string_buffer(self.RESOURCE_BYTES)
+        groups = ctypes.c_uint(1)
+        check("cuDevSmResourceSplitByCount", group, ctypes.byref(groups), whole, rest, 0, first_sms)
+        self.sms = tuple(int.from_bytes(r.raw[self.SM_COUNT_OFFSET:self.SM_COUNT_OFFSET + 4], "little")
+                         for r in (group, rest))
+        self.streams = []
+        self._keep = [cu, whole, group, rest]
+        for res in (group, rest):
+            desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+            check("cuDevResourceGenerateDesc", ctypes.byref(desc), res, 1)
+            check("cuGreenCtxCreate", ctypes.byref(ctx), desc, dev, 1)  # CU_GREEN_CTX_DEFAULT_STREAM
+            check("cuGreenCtxStreamCreate", ctypes.byref(stream), ctx, 1, 0)  # CU_STREAM_NON_BLOCKING, priority 0
+            self._keep.append(ctx)
+            self.streams.append(torch.cuda.ExternalStream(stream.value))
+
+
+def split_arm(torch, dec, decode_sms: int, prefills: int, steps: int, reps: int) -> dict:
+    """Decode captured in a green context of ``decode_sms`` SMs, prefill in one of the rest (disjoint)."""
+    split = DisjointGreenContexts(torch, decode_sms)
+    sd, sp = split.streams
+    fns = {"decode": captured_in(torch, dec, "decode", sd).replay,
+           "prefill": captured_in(torch, dec, "prefill", sp).replay}
+    streams = {"decode": sd, "prefill": sp}
+    row = {"decode_sms": split.sms[0], "prefill_sms": split.sms[1]}
+    row["decode_alone_ms"] = timed(torch, lambda start: on_streams(
+        torch, [("decode", fns["decode"])] * steps, {"decode": sd}, start), reps)["total_ms"]
+    row["prefill_alone_ms"] = timed(torch, lambda start: on_streams(
+        torch, [("prefill", fns["prefill"])] * prefills, {"prefill": sp}, start), reps)["total_ms"]
+    order = interleaved(prefills, steps, fns["prefill"], fns["decode"])
+    row.update(timed(torch, lambda start: on_streams(torch, order, streams, start), reps))
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
@@ -257,6 +317,8 @@ def main() -> None:
                    "is confined to (decode free, high priority); empty for none")
     p.add_argument("--green-decode", default="32,64", help="comma-separated SMs of a green context the decode step "
                    "is confined to (prefill free); empty for none")
+    p.add_argument("--split", default="40", help="comma-separated SMs of the decode side of one split into two "
+                   "disjoint green contexts (prefill on the rest); empty for none")
     args = p.parse_args()
     import torch
 
@@ -285,6 +347,8 @@ def main() -> None:
             ("prefill high", lambda: stream_arm(torch, launch, n_p, n_d, reps, prio_p=-10))]
     arms += [(f"carveout {n}", lambda n=int(n): carveout_arm(torch, dec, launch, n, n_p, n_d, reps))
              for n in args.carveouts.split(",") if n.strip()]
+    arms += [(f"split {n}", lambda n=int(n): split_arm(torch, dec, n, n_p, n_d, reps))
+             for n in args.split.split(",") if n.strip()]
     for kind, sms in (("prefill", args.green_prefill), ("decode", args.green_decode)):
         arms += [(f"green {kind} {n}", lambda k=kind, n=int(n): green_arm(torch, dec, launch, k, n, n_p, n_d, reps))
                  for n in sms.split(",") if n.strip()]
@@ -306,7 +370,7 @@ def main() -> None:
             continue
         row = {"arm": name, "total ms": r["total_ms"], "prefill end ms": r.get("prefill", ""),
                "decode end ms": r.get("decode", ""),
-               "alone ms": r.get("prefill_alone_ms", r.get("decode_alone_ms", ""))}
+               "alone ms": " / ".join(str(r[k]) for k in ("prefill_alone_ms", "decode_alone_ms") if k in r)}
         if pa and da and name not in ("prefill alone", "decode alone"):
             row["hidden"] = f"{hidden_share(pa, da, r['total_ms']):.0%}"
             row["per prompt ms"] = f"{r['total_ms'] / n_p:.2f}"
