@@ -150,6 +150,49 @@ def gemm_bandwidth(ms: tuple[int, ...] = (1, 64)) -> list[dict]:
     return rows
 
 
+def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
+    """The same shapes as FP8 (e4m3) GEMMs through torch._scaled_mm with one scale per tensor, bf16 out: what
+    the weights' half-size reads and FP8 tensor cores would give a decode step (M = 64) and a prefill pass
+    (M = 512), before anything in the engine changes. M is rounded up to a multiple of 16 (_scaled_mm's rule).
+    ``tb_s`` counts the FP8 weight's bytes (half the bf16 weight's)."""
+    import torch
+
+    h, f, kv, v = QWEN7B["hidden_size"], QWEN7B["intermediate_size"], 512, QWEN7B["vocab_size"]
+    shapes = {"q/o 3584x3584": (h, h), "qkv fused 4608x3584": (h + 2 * kv, h),
+              "gate_up fused 37888x3584": (2 * f, h), "down 3584x18944": (h, f), "lm_head 152064x3584": (v, h)}
+    one = torch.tensor(1.0, device="cuda")
+    rows = []
+    for name, (n, k) in shapes.items():
+        count = 2 if n * k > 200_000_000 else 8
+        try:
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn) for _ in range(count)]
+        except Exception as e:  # noqa: BLE001 - no FP8 on this torch or card is a result
+            return rows + [{"lib": "fp8", "error": repr(e)}]
+        for m in ms:
+            m16 = -(-m // 16) * 16
+            x = torch.randn(m16, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            try:
+                for w in ws:
+                    torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            except Exception as e:  # noqa: BLE001
+                rows.append({"lib": "fp8", "shape": name, "m": m16, "error": repr(e)[:300]})
+                continue
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            reps = 40
+            a.record()
+            for i in range(reps):
+                torch._scaled_mm(x, ws[i % count].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            b.record()
+            torch.cuda.synchronize()
+            us = a.elapsed_time(b) / reps * 1000
+            rows.append({"lib": "fp8", "shape": name, "m": m16, "us": round(us, 1),
+                         "tb_s": round(n * k / (us * 1e-6) / 1e12, 2),
+                         "tflop_s": round(2 * m16 * n * k / (us * 1e-6) / 1e12)})
+        del ws
+    return rows
+
+
 def prefill_rate(model) -> list[dict]:
     import torch
 
@@ -245,7 +288,7 @@ def print_prefill_profile(rows: list[dict]) -> None:
 
 
 def print_gemm(rows: list[dict]) -> None:
-    print("\nGEMM (F.linear, bf16):")
+    print("\nGEMM (F.linear, bf16; the fp8 rows: torch._scaled_mm, e4m3, TB/s of the fp8 weight):")
     print(f"{'lib':<9}{'shape':<26}{'M':>5}{'us':>9}{'TB/s':>7}{'TFLOP/s':>9}")
     for r in rows:
         if "error" in r:
@@ -262,6 +305,7 @@ def main() -> None:
                         "colon, e.g. fused+compiled:max-autotune-no-cudagraphs")
     p.add_argument("--compile-mode", default="default", help="torch.compile mode of compiled variants that name none")
     p.add_argument("--gemm-rows", default="1,64", help="comma-separated M of the GEMM table")
+    p.add_argument("--fp8", action="store_true", help="the GEMM table also as FP8 (torch._scaled_mm)")
     p.add_argument("--gemm-only", action="store_true", help="the GEMM table alone (no model, prefill or variants)")
     p.add_argument("--prefill-profile", action="store_true",
                    help="after the GEMM table, the compiled prefill pass at 1/2/4/8 prompts profiled; no variants")
@@ -278,7 +322,10 @@ def main() -> None:
     def save():
         (out / "gpu_decode_probe.json").write_text(json.dumps(res, indent=2))
 
-    res["gemm"] = gemm_bandwidth(tuple(int(m) for m in args.gemm_rows.split(",")))
+    gemm_rows = tuple(int(m) for m in args.gemm_rows.split(","))
+    res["gemm"] = gemm_bandwidth(gemm_rows)
+    if args.fp8:
+        res["gemm"] += gemm_fp8(gemm_rows)
     save()
     if args.gemm_only:
         print_gemm(res["gemm"])
