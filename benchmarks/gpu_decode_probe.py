@@ -109,16 +109,42 @@ def decoder_variant(model, compile_mode: str | None) -> dict:
     return out
 
 
+def gemm_shapes() -> dict[str, tuple[int, int]]:
+    """The 7B's weight shapes (N, K) by name, unfused and as the engine fuses them."""
+    h, f, kv, v = QWEN7B["hidden_size"], QWEN7B["intermediate_size"], 512, QWEN7B["vocab_size"]
+    return {"q/o 3584x3584": (h, h), "k or v 512x3584": (kv, h), "qkv fused 4608x3584": (h + 2 * kv, h),
+            "gate or up 18944x3584": (f, h), "gate_up fused 37888x3584": (2 * f, h), "down 3584x18944": (h, f),
+            "lm_head 152064x3584": (v, h)}
+
+
+def mean_us(op, count: int, reps: int = 40) -> float:
+    """Mean GPU time of ``op(i)`` (the i-th of ``count`` weights in rotation, so the 50 MB L2 cache does not serve
+    the small ones), after one call on each."""
+    import torch
+
+    for i in range(count):
+        op(i)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for i in range(reps):
+        op(i % count)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps * 1000
+
+
+def gemm_row(lib: str, name: str, m: int, n: int, k: int, us: float, weight_bytes: int) -> dict:
+    return {"lib": lib, "shape": name, "m": m, "us": round(us, 1),
+            "tb_s": round(n * k * weight_bytes / (us * 1e-6) / 1e12, 2),
+            "tflop_s": round(2 * m * n * k / (us * 1e-6) / 1e12)}
+
+
 def gemm_bandwidth(ms: tuple[int, ...] = (1, 64)) -> list[dict]:
-    """F.linear at M rows (decode: 1 and 64; a prefill pass: 512 per prompt) over the model's weight
-    shapes; 8 weights in rotation so the 50 MB L2 cache does not serve the small ones."""
+    """F.linear at M rows (decode: 1 and 64; a prefill pass: 512 per prompt) over the model's weight shapes."""
     import torch
     import torch.nn.functional as F
 
-    h, f, kv, v = QWEN7B["hidden_size"], QWEN7B["intermediate_size"], 512, QWEN7B["vocab_size"]
-    shapes = {"q/o 3584x3584": (h, h), "k or v 512x3584": (kv, h), "qkv fused 4608x3584": (h + 2 * kv, h),
-              "gate or up 18944x3584": (f, h), "gate_up fused 37888x3584": (2 * f, h), "down 3584x18944": (h, f),
-              "lm_head 152064x3584": (v, h)}
     rows = []
     for lib in ("cublas", "cublaslt"):
         try:
@@ -126,43 +152,29 @@ def gemm_bandwidth(ms: tuple[int, ...] = (1, 64)) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - a missing library is a result
             rows.append({"lib": lib, "error": repr(e)})
             continue
-        for name, (n, k) in shapes.items():
+        for name, (n, k) in gemm_shapes().items():
             count = 2 if n * k > 200_000_000 else 8
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                for w in ws:
-                    F.linear(x, w)
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                reps = 40
-                a.record()
-                for i in range(reps):
-                    F.linear(x, ws[i % count])
-                b.record()
-                torch.cuda.synchronize()
-                us = a.elapsed_time(b) / reps * 1000
-                rows.append({"lib": lib, "shape": name, "m": m, "us": round(us, 1),
-                             "tb_s": round(n * k * 2 / (us * 1e-6) / 1e12, 2),
-                             "tflop_s": round(2 * m * n * k / (us * 1e-6) / 1e12)})
-            del ws
+                rows.append(gemm_row(lib, name, m, n, k, mean_us(lambda i: F.linear(x, ws[i]), count), 2))
+            ws.clear()
     torch.backends.cuda.preferred_blas_library("cublas")
     return rows
 
 
 def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
-    """The same shapes as FP8 (e4m3) GEMMs through torch._scaled_mm with one scale per tensor, bf16 out: what
+    """The fused shapes as FP8 (e4m3) GEMMs through torch._scaled_mm with one scale per tensor, bf16 out: what
     the weights' half-size reads and FP8 tensor cores would give a decode step (M = 64) and a prefill pass
     (M = 512), before anything in the engine changes. M is rounded up to a multiple of 16 (_scaled_mm's rule).
     ``tb_s`` counts the FP8 weight's bytes (half the bf16 weight's)."""
     import torch
 
-    h, f, kv, v = QWEN7B["hidden_size"], QWEN7B["intermediate_size"], 512, QWEN7B["vocab_size"]
-    shapes = {"q/o 3584x3584": (h, h), "qkv fused 4608x3584": (h + 2 * kv, h),
-              "gate_up fused 37888x3584": (2 * f, h), "down 3584x18944": (h, f), "lm_head 152064x3584": (v, h)}
     one = torch.tensor(1.0, device="cuda")
     rows = []
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in gemm_shapes().items():
+        if name.startswith(("k or v", "gate or up")):
+            continue
         count = 2 if n * k > 200_000_000 else 8
         try:
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn) for _ in range(count)]
@@ -171,25 +183,17 @@ def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
         for m in ms:
             m16 = -(-m // 16) * 16
             x = torch.randn(m16, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+
+            def op(i):
+                return torch._scaled_mm(x, ws[i].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
             try:
-                for w in ws:
-                    torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                us = mean_us(op, count)
             except Exception as e:  # noqa: BLE001
                 rows.append({"lib": "fp8", "shape": name, "m": m16, "error": repr(e)[:300]})
                 continue
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            reps = 40
-            a.record()
-            for i in range(reps):
-                torch._scaled_mm(x, ws[i % count].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            b.record()
-            torch.cuda.synchronize()
-            us = a.elapsed_time(b) / reps * 1000
-            rows.append({"lib": "fp8", "shape": name, "m": m16, "us": round(us, 1),
-                         "tb_s": round(n * k / (us * 1e-6) / 1e12, 2),
-                         "tflop_s": round(2 * m16 * n * k / (us * 1e-6) / 1e12)})
-        del ws
+            rows.append(gemm_row("fp8", name, m16, n, k, us, 1))
+        ws.clear()
     return rows
 
 
