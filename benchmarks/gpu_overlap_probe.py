@@ -158,26 +158,15 @@ def stream_arm(torch, launch: Launchers, prefills: int, steps: int, reps: int, p
                prio_d: int = 0, one: bool = False) -> dict:
     order = interleaved(prefills, steps, launch.prefill, launch.decode)
     if one:
-        s = torch.cuda.Stream()
-        return timed(torch, lambda start: _one_stream(torch, order, s, start), reps)
+        both = {"both": torch.cuda.Stream()}
+        return timed(torch, lambda start: on_streams(torch, [("both", fn) for _, fn in order], both, start), reps)
     streams = {"decode": torch.cuda.Stream(priority=prio_d), "prefill": torch.cuda.Stream(priority=prio_p)}
     return timed(torch, lambda start: on_streams(torch, order, streams, start), reps)
 
 
-def _one_stream(torch, order, s, start) -> dict:
-    s.wait_event(start)
-    with torch.cuda.stream(s):
-        for _, fn in order:
-            fn()
-    e = torch.cuda.Event(enable_timing=True)
-    e.record(s)
-    torch.cuda.current_stream().wait_stream(s)
-    return {"both": e}
-
-
 def alone_arm(torch, fn, n: int, reps: int) -> dict:
-    s = torch.cuda.Stream()
-    return timed(torch, lambda start: _one_stream(torch, [("x", fn)] * n, s, start), reps)
+    both = {"both": torch.cuda.Stream()}
+    return timed(torch, lambda start: on_streams(torch, [("both", fn)] * n, both, start), reps)
 
 
 def carveout_arm(torch, dec, launch: Launchers, sms: int, prefills: int, steps: int, reps: int) -> dict:
