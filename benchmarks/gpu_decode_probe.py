@@ -119,29 +119,20 @@ def gemm_shapes() -> dict[str, tuple[int, int]]:
 
 def mean_us(op, count: int, reps: int = 40) -> float:
     """Mean GPU time of ``op(i)`` (the i-th of ``count`` weights in rotation, so the 50 MB L2 cache does not serve
-    the small ones), ``reps`` calls replayed as one CUDA graph after a call on each outside it. Why a graph: from
-    a Python loop the small shapes are bound by the host's launches, not the GPU (q/o at 64 rows: 23.6 us in a
-    tight loop, 40.9 through a closure, machines AO and AP; _scaled_mm's ~28 us for every small FP8 shape)."""
+    the small ones), ``reps`` calls captured as one CUDA graph (after two runs outside it) and replayed. Why a
+    graph: from a Python loop the small shapes are bound by the host's launches, not the GPU (q/o at 64 rows:
+    23.6 us in a tight loop, 40.9 through a closure, machines AO and AP; _scaled_mm's ~28 us for every small FP8
+    shape)."""
     import torch
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # cuBLAS's workspace and heuristics, outside the capture
-        for i in range(count):
-            op(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from serve_app.engines.slot_kv import capture_graph
+
+    def run():
         for i in range(reps):
             op(i % count)
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps * 1000
+
+    graph, _ = capture_graph(run, torch.cuda.graph_pool_handle(), torch.cuda.Stream())
+    return time_replay_ms(graph, 1, warmup=1) / reps * 1000
 
 
 def gemm_row(lib: str, name: str, m: int, n: int, k: int, us: float, weight_bytes: int) -> dict:
