@@ -154,19 +154,28 @@ def interleaved(prefills: int, steps: int, p, d) -> list[tuple[str, object]]:
     return order
 
 
-def stream_arm(torch, launch: Launchers, prefills: int, steps: int, reps: int, prio_p: int = 0,
-               prio_d: int = 0, one: bool = False) -> dict:
-    order = interleaved(prefills, steps, launch.prefill, launch.decode)
-    if one:
-        both = {"both": torch.cuda.Stream()}
-        return timed(torch, lambda start: on_streams(torch, [("both", fn) for _, fn in order], both, start), reps)
-    streams = {"decode": torch.cuda.Stream(priority=prio_d), "prefill": torch.cuda.Stream(priority=prio_p)}
+def on_one_stream(torch, fns: list, stream, reps: int) -> dict:
+    """``fns`` queued in order on ``stream``, timed."""
+    return timed(torch, lambda start: on_streams(torch, [("both", fn) for fn in fns], {"both": stream}, start), reps)
+
+
+def side_by_side(torch, fns: dict, streams: dict, prefills: int, steps: int, reps: int) -> dict:
+    """``prefills`` of ``fns["prefill"]`` and ``steps`` of ``fns["decode"]``, each kind on its stream, timed."""
+    order = interleaved(prefills, steps, fns["prefill"], fns["decode"])
     return timed(torch, lambda start: on_streams(torch, order, streams, start), reps)
 
 
-def alone_arm(torch, fn, n: int, reps: int) -> dict:
-    both = {"both": torch.cuda.Stream()}
-    return timed(torch, lambda start: on_streams(torch, [("both", fn)] * n, both, start), reps)
+def stream_arm(torch, launch: Launchers, prefills: int, steps: int, reps: int, prio_p: int = 0,
+               prio_d: int = 0, one: bool = False) -> dict:
+    if one:
+        order = interleaved(prefills, steps, launch.prefill, launch.decode)
+        return on_one_stream(torch, [fn for _, fn in order], torch.cuda.Stream(), reps)
+    streams = {"decode": torch.cuda.Stream(priority=prio_d), "prefill": torch.cuda.Stream(priority=prio_p)}
+    return side_by_side(torch, {"decode": launch.decode, "prefill": launch.prefill}, streams, prefills, steps, reps)
+
+
+def alone_arm(torch, fn, n: int, reps: int, stream=None) -> dict:
+    return on_one_stream(torch, [fn] * n, stream or torch.cuda.Stream(), reps)
 
 
 def carveout_arm(torch, dec, launch: Launchers, sms: int, prefills: int, steps: int, reps: int) -> dict:
@@ -230,10 +239,8 @@ def green_arm(torch, dec, launch: Launchers, kind: str, sms: int, prefills: int,
     streams = {kind: confined, other: torch.cuda.Stream(priority=-10)}
     counts = {"decode": steps, "prefill": prefills}
     row = {"confined": kind, "sms": sms}
-    row[f"{kind}_alone_ms"] = timed(torch, lambda start: on_streams(
-        torch, [(kind, fns[kind])] * counts[kind], {kind: confined}, start), reps)["total_ms"]
-    order = interleaved(prefills, steps, fns["prefill"], fns["decode"])
-    row.update(timed(torch, lambda start: on_streams(torch, order, streams, start), reps))
+    row[f"{kind}_alone_ms"] = alone_arm(torch, fns[kind], counts[kind], reps, confined)["total_ms"]
+    row.update(side_by_side(torch, fns, streams, prefills, steps, reps))
     return row
 
 
@@ -286,12 +293,9 @@ def split_arm(torch, dec, decode_sms: int, prefills: int, steps: int, reps: int)
            "prefill": captured_in(torch, dec, "prefill", sp).replay}
     streams = {"decode": sd, "prefill": sp}
     row = {"decode_sms": split.sms[0], "prefill_sms": split.sms[1]}
-    row["decode_alone_ms"] = timed(torch, lambda start: on_streams(
-        torch, [("decode", fns["decode"])] * steps, {"decode": sd}, start), reps)["total_ms"]
-    row["prefill_alone_ms"] = timed(torch, lambda start: on_streams(
-        torch, [("prefill", fns["prefill"])] * prefills, {"prefill": sp}, start), reps)["total_ms"]
-    order = interleaved(prefills, steps, fns["prefill"], fns["decode"])
-    row.update(timed(torch, lambda start: on_streams(torch, order, streams, start), reps))
+    row["decode_alone_ms"] = alone_arm(torch, fns["decode"], steps, reps, sd)["total_ms"]
+    row["prefill_alone_ms"] = alone_arm(torch, fns["prefill"], prefills, reps, sp)["total_ms"]
+    row.update(side_by_side(torch, fns, streams, prefills, steps, reps))
     return row
 
 
