@@ -165,36 +165,62 @@ def gemm_bandwidth(ms: tuple[int, ...] = (1, 64)) -> list[dict]:
 
 
 def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
-    """The fused shapes as FP8 (e4m3) GEMMs through torch._scaled_mm with one scale per tensor, bf16 out: what
-    the weights' half-size reads and FP8 tensor cores would give a decode step (M = 64) and a prefill pass
-    (M = 512), before anything in the engine changes. M is rounded up to a multiple of 16 (_scaled_mm's rule).
-    ``tb_s`` counts the FP8 weight's bytes (half the bf16 weight's)."""
+    """The fused shapes as FP8 (e4m3) GEMMs through torch._scaled_mm, bf16 out, three ways: ``fp8`` one scale
+    per tensor (the GEMM's best case); ``fp8_row`` one scale per activation row and weight channel (what
+    quantization 'fp8' runs); ``fp8_lin`` the engine's FP8Linear module whole, uncompiled, so its activation
+    quantization runs as separate kernels (the engine compiles them into the kernel before). M is rounded up to
+    a multiple of 16. ``tb_s`` counts the FP8 weight's bytes (half the bf16 weight's). ``rel_err``: FP8Linear's
+    output against the float32 product of the same bf16 activation and weight (|out - ref| / |ref| over the
+    whole output), the kernel's and the quantization's error together."""
     import torch
+    from torch import nn
+
+    from serve_app.engines.fp8 import _module_class, quantize_rows, quantize_weight
 
     one = torch.tensor(1.0, device="cuda")
+    fp8_linear = _module_class()
     rows = []
     for name, (n, k) in gemm_shapes().items():
         if name.startswith(("k or v", "gate or up")):
             continue
         count = 2 if n * k > 200_000_000 else 8
         try:
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn) for _ in range(count)]
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+            ws = [w.to(torch.float8_e4m3fn) for w in wb]
+            rw = [quantize_weight(w) for w in wb]
+            lins = []
+            for w in wb:
+                lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+                lin.weight.data.copy_(w)
+                lins.append(fp8_linear(lin, torch.bfloat16))
         except Exception as e:  # noqa: BLE001 - no FP8 on this torch or card is a result
             return rows + [{"lib": "fp8", "error": repr(e)}]
         for m in ms:
             m16 = -(-m // 16) * 16
-            x = torch.randn(m16, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-
-            def op(i):
-                return torch._scaled_mm(x, ws[i].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
-            try:
-                us = mean_us(op, count)
-            except Exception as e:  # noqa: BLE001
-                rows.append({"lib": "fp8", "shape": name, "m": m16, "error": repr(e)[:300]})
-                continue
-            rows.append(gemm_row("fp8", name, m16, n, k, us, 1))
+            xb = torch.randn(m16, k, device="cuda", dtype=torch.bfloat16)
+            x = xb.to(torch.float8_e4m3fn)
+            xq, x_scale = quantize_rows(xb)
+            ops = {
+                "fp8": lambda i: torch._scaled_mm(x, ws[i].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                "fp8_row": lambda i: torch._scaled_mm(xq, rw[i][0].t(), scale_a=x_scale, scale_b=rw[i][1],
+                                                      out_dtype=torch.bfloat16),
+                "fp8_lin": lambda i: lins[i](xb),
+            }
+            for lib, op in ops.items():
+                try:
+                    us = mean_us(op, count)
+                except Exception as e:  # noqa: BLE001
+                    rows.append({"lib": lib, "shape": name, "m": m16, "error": repr(e)[:300]})
+                    continue
+                row = gemm_row(lib, name, m16, n, k, us, 1)
+                if lib == "fp8_lin":
+                    ref = xb.float() @ wb[0].float().t()
+                    row["rel_err"] = round(float((lins[0](xb).float() - ref).norm() / ref.norm()), 4)
+                rows.append(row)
         ws.clear()
+        wb.clear()
+        rw.clear()
+        lins.clear()
     return rows
 
 
@@ -293,13 +319,16 @@ def print_prefill_profile(rows: list[dict]) -> None:
 
 
 def print_gemm(rows: list[dict]) -> None:
-    print("\nGEMM (F.linear, bf16; the fp8 rows: torch._scaled_mm, e4m3, TB/s of the fp8 weight):")
-    print(f"{'lib':<9}{'shape':<26}{'M':>5}{'us':>9}{'TB/s':>7}{'TFLOP/s':>9}")
+    print("\nGEMM (F.linear, bf16; the fp8 rows: torch._scaled_mm, e4m3, TB/s of the fp8 weight; fp8: per-tensor "
+          "scales, fp8_row: row-wise, fp8_lin: the engine's FP8Linear, uncompiled; rel_err: its output against "
+          "float32):")
+    print(f"{'lib':<9}{'shape':<26}{'M':>5}{'us':>9}{'TB/s':>7}{'TFLOP/s':>9}{'rel_err':>9}")
     for r in rows:
         if "error" in r:
             print(r["lib"], r["error"])
             continue
-        print(f"{r['lib']:<9}{r['shape']:<26}{r['m']:>5}{r['us']:>9.1f}{r['tb_s']:>7.2f}{r['tflop_s']:>9}")
+        print(f"{r['lib']:<9}{r['shape']:<26}{r['m']:>5}{r['us']:>9.1f}{r['tb_s']:>7.2f}{r['tflop_s']:>9}"
+              f"{r.get('rel_err', ''):>9}")
 
 
 def main() -> None:

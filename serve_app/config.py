@@ -201,6 +201,11 @@ class VariantConfig(StrictModel):
                 f"tensor_parallel_size {tp} needs resources.num_gpus >= 1 (GPUs per rank), "
                 "or the hf backend with engine.options.device 'cpu' (gloo ranks)"
             )
+        if tp > 1 and backend == "hf" and self.engine.options.get("quantization", "none") != "none":
+            raise ValueError(
+                f"tensor_parallel_size {tp}: the hf backend's quantization "
+                f"{self.engine.options['quantization']!r} runs on one rank only"
+            )
         if tp > 1 and backend == "hf" and self.engine.options.get("kv_cache") == "static":
             raise ValueError(
                 f"tensor_parallel_size {tp}: the hf backend's static KV cache runs on one rank only; "

@@ -252,10 +252,26 @@ class HFEngine(HFTokenization, Engine):
         elif opts.resolved_kv_cache(device) == "static":
             self._setup_static(device)
         else:
+            self._quantize()
             self._runner = LocalRunner(self.model, self.device, self._pad_id)
         self._warm_up()
         self.load_time_s = time.monotonic() - t0
         log.info("hf engine ready: %s on %s/%s in %.1fs", opts.model, device, dtype_name, self.load_time_s)
+
+    def _quantize(self) -> None:
+        """quantization 'fp8': the decoder's linear layers to e4m3 (after any fusing, before graphs are
+        captured, so every captured pass runs them)."""
+        if self.options.quantization != "fp8":
+            return
+        from .fp8 import FP8UnsupportedError, check_device, quantize_linears
+
+        try:
+            check_device(self.device)
+        except FP8UnsupportedError as e:
+            raise EngineNotReadyError(str(e)) from e
+        n = quantize_linears(self.model, self.dtype)
+        log.info("fp8: %d linear layers quantized (e4m3, row-wise scales; the LM head kept in %s)", n,
+                 self.dtype)
 
     def _setup_static(self, device: str) -> None:
         import heapq
@@ -269,6 +285,7 @@ class HFEngine(HFTokenization, Engine):
             from .fused import fuse_projections
 
             fuse_projections(self.model)
+        self._quantize()
         use_graphs = device == "cuda" and opts.cuda_graphs
         sizes = opts.cuda_graph_batch_sizes or (
             [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(96, opts.max_num_seqs + 1, 32)))

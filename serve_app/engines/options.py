@@ -29,6 +29,14 @@ class HFEngineOptions(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto' is float32 on cpu and bfloat16 on cuda."
     )
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="'fp8': the decoder's linear layers run as e4m3 GEMMs (torch._scaled_mm), weights quantized "
+        "from the checkpoint at load with one scale per output channel, activations per token at run time "
+        "(vLLM's dynamic FP8); the LM head, norms, attention and KV cache stay in dtype. Half the weight memory "
+        "and bytes per decode step. Needs a GPU of compute capability 8.9+ (Ada, Hopper); runs on the CPU "
+        "only to check answers. One rank only (tensor_parallel_size 1). Accuracy and speed: docs/engines.md.",
+    )
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel."
     )

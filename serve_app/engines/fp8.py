@@ -1,0 +1,140 @@
+"""FP8 (e4m3) weights and activations for the decoder's linear layers.
+
+Why: a batch-64 decode step of a 7B model streams its 15 GB of bf16 weights
+from HBM, and a 512-token prefill pass is bound by bf16 tensor work; e4m3
+halves the bytes and doubles the tensor rate (H100, graph-replayed GEMMs of
+the 7B's shapes: 1.3-2.0x faster on every one, docs/gpu_notes.md run 114).
+
+The scheme is vLLM's and torchao's dynamic FP8 with row-wise scales: each
+weight is quantized once at load with one scale per output channel, each
+activation row at run time with one scale of its own, and the product runs
+in ``torch._scaled_mm`` (cuBLASLt/CUTLASS on sm89+; a reference kernel on
+the CPU, which is only for checking). The bf16 checkpoint is the source: no
+calibration, no quantized checkpoint. Under ``torch.compile`` the activation's
+max/scale/cast fuses into the kernel that produced it (the RMSNorm or the
+SiLU-and-multiply), so the extra pass over the activations is not paid twice.
+
+The LM head stays in the model's dtype, as vLLM keeps it by default: its
+logits pick the tokens, and at 64 rows it is ~7 % of a step's GEMM time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+# largest finite e4m3fn value
+E4M3_MAX = 448.0
+# an all-zero row (a padded batch row) must not divide by zero
+_MIN_SCALE = 1e-12
+# _scaled_mm's rule for the reduction and output dimensions
+_DIM_MULTIPLE = 16
+# modules never quantized, by attribute name
+SKIP_NAMES = frozenset({"lm_head"})
+
+
+class FP8UnsupportedError(RuntimeError):
+    """This device cannot run FP8 GEMMs (``torch._scaled_mm`` with row-wise scales)."""
+
+
+def quantize_weight(weight):
+    """(e4m3 weight [N, K], float32 scales [1, N]): one scale per output channel, so that channel's largest
+    magnitude maps to E4M3_MAX."""
+    import torch
+
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp(min=_MIN_SCALE)
+    q = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale[None, :].contiguous()
+
+
+def quantize_rows(x):
+    """(e4m3 rows, float32 scales [M, 1]) of a 2-D activation, one scale per row (token)."""
+    import torch
+
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=_MIN_SCALE)
+    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _module_class():
+    import torch
+    from torch import nn
+
+    class FP8Linear(nn.Module):
+        """A frozen ``nn.Linear`` whose weight is e4m3 with per-output-channel scales; inputs are quantized
+        per row on each call and the product comes back in ``out_dtype``."""
+
+        def __init__(self, linear: nn.Linear, out_dtype):
+            super().__init__()
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+            self.out_dtype = out_dtype
+            q, scale = quantize_weight(linear.weight)
+            self.weight = nn.Parameter(q, requires_grad=False)
+            self.register_buffer("weight_scale", scale)
+            self.bias = (nn.Parameter(linear.bias.detach().to(out_dtype), requires_grad=False)
+                         if linear.bias is not None else None)
+
+        def forward(self, x):
+            lead = x.shape[:-1]
+            xq, x_scale = quantize_rows(x.reshape(-1, self.in_features))
+            # the weight is [N, K] row-major, so .t() is the column-major [K, N] _scaled_mm wants
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
+                                   out_dtype=self.out_dtype)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*lead, self.out_features)
+
+        def extra_repr(self) -> str:
+            return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
+
+    return FP8Linear
+
+
+def check_device(device) -> None:
+    """Raises FP8UnsupportedError unless a row-wise scaled e4m3 GEMM runs on ``device``."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise FP8UnsupportedError(
+                f"quantization 'fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell); "
+                f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
+    try:
+        x = torch.ones(16, 32, device=device)
+        xq, xs = quantize_rows(x)
+        wq, ws = quantize_weight(torch.ones(16, 32, device=device))
+        torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise FP8UnsupportedError(f"quantization 'fp8': torch {torch.__version__} cannot run a row-wise scaled "
+                                  f"e4m3 GEMM on {device}: {e}") from e
+
+
+def quantize_linears(model, out_dtype) -> int:
+    """Replaces each ``nn.Linear`` of ``model`` (in place), except those named in SKIP_NAMES and those whose
+    dimensions _scaled_mm cannot take, by an FP8Linear; returns how many were replaced. Call after
+    ``fuse_projections``: a fused weight gets its scales per output channel all the same."""
+    import torch
+    from torch import nn
+
+    fp8_linear = _module_class()
+    targets = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear and name not in SKIP_NAMES:
+                targets.append((parent, name, child))
+    replaced = kept = 0
+    for parent, name, child in targets:
+        if child.in_features % _DIM_MULTIPLE or child.out_features % _DIM_MULTIPLE:
+            kept += 1
+            continue
+        setattr(parent, name, fp8_linear(child, out_dtype))
+        replaced += 1
+    if kept:
+        log.info("fp8: %d linear layers kept in %s (dimensions not multiples of %d)", kept, out_dtype,
+                 _DIM_MULTIPLE)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the replaced weights' memory goes back to the KV cache's budget
+    return replaced

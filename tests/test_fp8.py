@@ -1,0 +1,147 @@
+"""quantization 'fp8' (serve_app/engines/fp8.py) on the CPU.
+
+torch's CPU ``_scaled_mm`` is a reference kernel for the same row-wise scaled
+e4m3 product the GPU's runs, so the scheme's numbers and the engine's wiring
+are checked here on real weights (SmolLM2); its speed needs a GPU
+(benchmarks/gpu_decode_probe.py --fp8, gpu_engine.py --set quantization=...).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from serve_app.engines.fp8 import E4M3_MAX, check_device, quantize_linears, quantize_rows, quantize_weight
+from serve_app.engines.fused import fuse_projections
+
+def _tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=500,
+                                        max_position_embeddings=256)).eval()
+
+
+def test_weight_scales_are_per_output_channel_and_round_trip_within_e4m3_precision():
+    torch.manual_seed(0)
+    w = torch.randn(48, 32) * torch.logspace(-3, 1, 48)[:, None]  # channels four decades apart
+    q, scale = quantize_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and scale.shape == (1, 48)
+    # each channel's largest magnitude lands on e4m3's largest value
+    torch.testing.assert_close(q.float().abs().amax(dim=1), torch.full((48,), E4M3_MAX))
+    back = q.float() * scale.t()
+    # 3 mantissa bits: within 2^-4 of each value (relative), whatever the channel's scale
+    big = w.abs() > w.abs().amax(dim=1, keepdim=True) / 64
+    assert ((back - w).abs()[big] <= w.abs()[big] / 16 + 1e-12).all()
+
+
+def test_a_zero_row_quantizes_to_zeros_not_nans():
+    x = torch.zeros(3, 32)
+    x[1] = torch.linspace(-2, 2, 32)
+    q, scale = quantize_rows(x)
+    assert scale.shape == (3, 1)
+    assert torch.isfinite(q.float()).all()
+    assert (q[0].float() == 0).all() and (q[2].float() == 0).all()
+
+
+def test_quantized_layers_compute_the_product_within_fp8_error_and_keep_the_lm_head():
+    model = _tiny_qwen2()
+    ref = copy.deepcopy(model)
+    fuse_projections(model)
+    # per layer: fused q/k/v, o, fused gate/up, down
+    assert quantize_linears(model, torch.float32) == 4 * 2
+    assert type(model.lm_head) is torch.nn.Linear
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.bias is not None  # Qwen2's q/k/v biases kept
+    ids = torch.randint(0, 500, (2, 11))
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    rel = ((a - b).norm() / a.norm()).item()
+    assert 0 < rel < 0.05  # quantized (not a copy), yet near the full-precision logits
+
+
+def test_layers_scaled_mm_cannot_take_stay_unquantized():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 20), nn.Linear(20, 32))
+    assert quantize_linears(model, torch.float32) == 1
+    assert [type(m).__name__ for m in model] == ["FP8Linear", "Linear", "Linear"]
+    out = model(torch.randn(2, 5, 32))
+    assert out.shape == (2, 5, 32)
+
+
+def test_check_device_passes_on_the_cpu():
+    check_device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_check_device_names_the_gpu_when_it_has_no_fp8():
+    from serve_app.engines.fp8 import FP8UnsupportedError
+
+    if torch.cuda.get_device_capability() >= (8, 9):
+        check_device("cuda")
+    else:
+        with pytest.raises(FP8UnsupportedError, match="compute capability 8.9"):
+            check_device("cuda")
+
+
+def test_quantization_option_is_validated():
+    from serve_app.config import VariantConfig
+    from serve_app.engines.options import HFEngineOptions
+
+    assert HFEngineOptions(quantization="fp8").quantization == "fp8"
+    with pytest.raises(ValidationError, match="quantization"):
+        HFEngineOptions(quantization="int4")
+    with pytest.raises(ValidationError, match="quantization 'fp8' runs on one rank"):
+        VariantConfig(name="a", tensor_parallel_size=2,
+                      engine={"backend": "hf", "options": {"device": "cpu", "quantization": "fp8"}})
+
+
+def test_quantized_smollm2_stays_close_to_the_full_precision_model(embedded_model_dir):
+    """Teacher-forced over the full model's own greedy answers: the quantized one picks the same next token
+    at most positions and its distribution stays close (benchmarks/fp8_quality.py prints the same figures)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir, local_files_only=True)
+    full = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32,
+                                                local_files_only=True).eval()
+    fp8 = copy.deepcopy(full)
+    fuse_projections(fp8)
+    assert quantize_linears(fp8, torch.float32) == 4 * full.config.num_hidden_layers
+    agree, kls = [], []
+    for q in ("What is the capital of France?", "Name three primary colors."):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            ref = full.generate(ids, max_new_tokens=16, do_sample=False)
+            lf = full(ref).logits[0, ids.shape[1] - 1:-1].log_softmax(-1)
+            lq = fp8(ref).logits[0, ids.shape[1] - 1:-1].log_softmax(-1)
+        agree.append((lq.argmax(-1) == ref[0, ids.shape[1]:]).float().mean().item())
+        kls.append((lf.exp() * (lf - lq)).sum(-1).mean().item())
+    assert min(agree) >= 0.75, agree
+    assert 0 < max(kls) < 0.2, kls
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
+async def test_engine_with_fp8_answers_a_real_question(embedded_model_dir, kv_cache):
+    from serve_app.engines.base import GenerationRequest, SamplingParams
+    from serve_app.engines.registry import create_engine
+
+    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 4, "max_model_len": 512, "kv_cache": kv_cache,
+                               "quantization": "fp8"})
+    await eng.start()
+    try:
+        kinds = {type(m).__name__ for m in eng.model.modules()}
+        assert "FP8Linear" in kinds
+        ids = eng.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+        text = ""
+        async for c in eng.generate(GenerationRequest("q", ids, SamplingParams(max_tokens=12, temperature=0))):
+            text += c.text
+        assert "Paris" in text
+    finally:
+        await eng.shutdown()
