@@ -168,7 +168,9 @@ def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
     """The fused shapes as FP8 (e4m3) GEMMs through torch._scaled_mm, bf16 out, three ways: ``fp8`` one scale
     per tensor (the GEMM's best case); ``fp8_row`` one scale per activation row and weight channel (what
     quantization 'fp8' runs); ``fp8_lin`` the engine's FP8Linear module whole, uncompiled, so its activation
-    quantization runs as separate kernels (the engine compiles them into the kernel before). M is rounded up to
+    quantization runs as separate kernels (the engine compiles them into the kernel before); ``fp8_epi`` the same
+    with fp8_scales 'epilogue' (the per-tensor kernel, then the scales as a multiply the engine's compile fuses
+    into the next kernel; here a kernel of its own). M is rounded up to
     a multiple of 16. ``tb_s`` counts the FP8 weight's bytes (half the bf16 weight's). ``rel_err``: FP8Linear's
     output against the float32 product of the same bf16 activation and weight (|out - ref| / |ref| over the
     whole output), the kernel's and the quantization's error together."""
@@ -188,11 +190,12 @@ def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
             wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
             ws = [w.to(torch.float8_e4m3fn) for w in wb]
             rw = [quantize_weight(w) for w in wb]
-            lins = []
+            lins, epis = [], []
             for w in wb:
                 lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
                 lin.weight.data.copy_(w)
                 lins.append(fp8_linear(lin, torch.bfloat16))
+                epis.append(fp8_linear(lin, torch.bfloat16, "epilogue"))
         except Exception as e:  # noqa: BLE001 - no FP8 on this torch or card is a result
             return rows + [{"lib": "fp8", "error": repr(e)}]
         for m in ms:
@@ -205,6 +208,7 @@ def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
                 "fp8_row": lambda i: torch._scaled_mm(xq, rw[i][0].t(), scale_a=x_scale, scale_b=rw[i][1],
                                                       out_dtype=torch.bfloat16),
                 "fp8_lin": lambda i: lins[i](xb),
+                "fp8_epi": lambda i: epis[i](xb),
             }
             for lib, op in ops.items():
                 try:
@@ -213,14 +217,16 @@ def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
                     rows.append({"lib": lib, "shape": name, "m": m16, "error": repr(e)[:300]})
                     continue
                 row = gemm_row(lib, name, m16, n, k, us, 1)
-                if lib == "fp8_lin":
+                if lib in ("fp8_lin", "fp8_epi"):
                     ref = xb.float() @ wb[0].float().t()
-                    row["rel_err"] = round(float((lins[0](xb).float() - ref).norm() / ref.norm()), 4)
+                    mod = (lins if lib == "fp8_lin" else epis)[0]
+                    row["rel_err"] = round(float((mod(xb).float() - ref).norm() / ref.norm()), 4)
                 rows.append(row)
         ws.clear()
         wb.clear()
         rw.clear()
         lins.clear()
+        epis.clear()
     return rows
 
 
@@ -320,8 +326,8 @@ def print_prefill_profile(rows: list[dict]) -> None:
 
 def print_gemm(rows: list[dict]) -> None:
     print("\nGEMM (F.linear, bf16; the fp8 rows: torch._scaled_mm, e4m3, TB/s of the fp8 weight; fp8: per-tensor "
-          "scales, fp8_row: row-wise, fp8_lin: the engine's FP8Linear, uncompiled; rel_err: its output against "
-          "float32):")
+          "scales, fp8_row: row-wise, fp8_lin / fp8_epi: the engine's FP8Linear with its scales in the GEMM / after it, "
+          "uncompiled; rel_err: its output against float32):")
     print(f"{'lib':<9}{'shape':<26}{'M':>5}{'us':>9}{'TB/s':>7}{'TFLOP/s':>9}{'rel_err':>9}")
     for r in rows:
         if "error" in r:

@@ -465,7 +465,7 @@ def print_loads(res: dict, alone: dict | None, args) -> None:
         print(f"{'  first wave ends at (s)':<34}{c.get('first_wave_last_arrival_s', float('nan')):>10.2f}"
               f"{a.get('first_wave_last_arrival_s', float('nan')):>10.2f}")
         # both columns to the first text: an HTTP client gets no chunk for a token without text
-        added = f"  +{c['ttft_p50_ms'] - a['ttft_text_p50_ms']:.1f} ms (<= 5 ms)" if a.get("ttft_text_p50_ms") else ""
+        added = f"  {c['ttft_p50_ms'] - a['ttft_text_p50_ms']:+.1f} ms (<= 5 ms)" if a.get("ttft_text_p50_ms") else ""
         print(f"{f'TTFT p50 {at} (ms)':<34}{c['ttft_p50_ms']:>10.1f}"
               f"{a.get('ttft_text_p50_ms', float('nan')):>10.1f}{added}")
         print(f"{f'TTFT p95 {at} (ms)':<34}{c['ttft_p95_ms']:>10.1f}"

@@ -64,6 +64,21 @@ def test_quantized_layers_compute_the_product_within_fp8_error_and_keep_the_lm_h
     assert 0 < rel < 0.05  # quantized (not a copy), yet near the full-precision logits
 
 
+def test_scales_after_the_gemm_give_the_numbers_scales_inside_it_do():
+    torch.manual_seed(1)
+    model = _tiny_qwen2()
+    fuse_projections(model)
+    inside, after = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_linears(inside, torch.float32, "gemm")
+    quantize_linears(after, torch.float32, "epilogue")
+    assert {m.scales for m in after.modules() if hasattr(m, "scales")} == {"epilogue"}
+    ids = torch.randint(0, 500, (3, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(after(ids).logits, inside(ids).logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="scales must be one of"):
+        quantize_linears(_tiny_qwen2(), torch.float32, "both")
+
+
 def test_layers_scaled_mm_cannot_take_stay_unquantized():
     from torch import nn
 
@@ -96,6 +111,9 @@ def test_quantization_option_is_validated():
     assert HFEngineOptions(quantization="fp8").quantization == "fp8"
     with pytest.raises(ValidationError, match="quantization"):
         HFEngineOptions(quantization="int4")
+    assert HFEngineOptions(quantization="fp8", fp8_scales="epilogue").fp8_scales == "epilogue"
+    with pytest.raises(ValidationError, match="fp8_scales 'epilogue' applies to quantization 'fp8'"):
+        HFEngineOptions(fp8_scales="epilogue")
     with pytest.raises(ValidationError, match="quantization 'fp8' runs on one rank"):
         VariantConfig(name="a", tensor_parallel_size=2,
                       engine={"backend": "hf", "options": {"device": "cpu", "quantization": "fp8"}})
@@ -127,17 +145,17 @@ def test_quantized_smollm2_stays_close_to_the_full_precision_model(embedded_mode
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
-async def test_engine_with_fp8_answers_a_real_question(embedded_model_dir, kv_cache):
+@pytest.mark.parametrize("kv_cache,scales", [("dynamic", "gemm"), ("static", "gemm"), ("static", "epilogue")])
+async def test_engine_with_fp8_answers_a_real_question(embedded_model_dir, kv_cache, scales):
     from serve_app.engines.base import GenerationRequest, SamplingParams
     from serve_app.engines.registry import create_engine
 
     eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 4, "max_model_len": 512, "kv_cache": kv_cache,
-                               "quantization": "fp8"})
+                               "quantization": "fp8", "fp8_scales": scales})
     await eng.start()
     try:
-        kinds = {type(m).__name__ for m in eng.model.modules()}
-        assert "FP8Linear" in kinds
+        assert {getattr(m, "scales", None) for m in eng.model.modules() if type(m).__name__ == "FP8Linear"} \
+            == {scales}
         ids = eng.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
         text = ""
         async for c in eng.generate(GenerationRequest("q", ids, SamplingParams(max_tokens=12, temperature=0))):

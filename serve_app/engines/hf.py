@@ -269,9 +269,9 @@ class HFEngine(HFTokenization, Engine):
             check_device(self.device)
         except FP8UnsupportedError as e:
             raise EngineNotReadyError(str(e)) from e
-        n = quantize_linears(self.model, self.dtype)
-        log.info("fp8: %d linear layers quantized (e4m3, row-wise scales; the LM head kept in %s)", n,
-                 self.dtype)
+        n = quantize_linears(self.model, self.dtype, self.options.fp8_scales)
+        log.info("fp8: %d linear layers quantized (e4m3, row-wise scales applied in the %s; the LM head kept in %s)",
+                 n, self.options.fp8_scales, self.dtype)
 
     def _setup_static(self, device: str) -> None:
         import heapq

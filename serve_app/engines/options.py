@@ -37,6 +37,14 @@ class HFEngineOptions(StrictModel):
         "and bytes per decode step. Needs a GPU of compute capability 8.9+ (Ada, Hopper); runs on the CPU "
         "only to check answers. One rank only (tensor_parallel_size 1). Accuracy and speed: docs/engines.md.",
     )
+    fp8_scales: Literal["gemm", "epilogue"] = Field(
+        "gemm",
+        description="quantization 'fp8': where the row and channel scales are applied. 'gemm': in _scaled_mm's "
+        "row-wise kernel (measured in the engine: H100, 7B, 64 concurrent x 10, 4,282 -> 4,835 tok/s against bf16). "
+        "'epilogue': _scaled_mm's faster per-tensor kernel with unit scales, then one multiply that torch.compile "
+        "fuses into the next kernel; the same numbers up to bf16 rounding, the GEMMs ~25 % faster at 64 rows "
+        "(docs/gpu_notes.md run 115), not yet measured in the engine on a GPU.",
+    )
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel."
     )
@@ -192,6 +200,9 @@ class HFEngineOptions(StrictModel):
             if self.mixed_chunk_tokens > self.mixed_graph_tokens:
                 raise ValueError(f"mixed_chunk_tokens ({self.mixed_chunk_tokens}) needs mixed passes of that many "
                                  f"prompt tokens: mixed_graph_tokens is {self.mixed_graph_tokens}")
+        if self.fp8_scales != "gemm" and self.quantization != "fp8":
+            raise ValueError(f"fp8_scales {self.fp8_scales!r} applies to quantization 'fp8'; quantization is "
+                             f"{self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len > self.max_kv_tokens:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds max_kv_tokens "
