@@ -9,6 +9,7 @@ are checked here on real weights (SmolLM2); its speed needs a GPU
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -163,3 +164,38 @@ async def test_engine_with_fp8_answers_a_real_question(embedded_model_dir, kv_ca
         assert "Paris" in text
     finally:
         await eng.shutdown()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("scales", ["gemm", "epilogue"])
+def test_the_compiled_decode_step_runs_fp8_layers_with_the_eager_results(scales):
+    """The engine compiles its decode step with FP8Linear inside (the activation's quantization and, with
+    'epilogue', the scales' multiply fuse into Inductor's kernels around the extern _scaled_mm): same logits
+    as the eager step in every bucket, from one compile (Inductor's C++ backend stands in for Triton)."""
+    from torch._dynamo.utils import counters
+
+    from serve_app.engines.slot_kv import ATTENTION_NAME, SlotDecoder, register_attention
+
+    register_attention()
+    model = _tiny_qwen2()
+    model.set_attn_implementation(ATTENTION_NAME)
+    fuse_projections(model)
+    quantize_linears(model, torch.float32, scales)
+    decs = [SlotDecoder(model, num_slots=4, max_len=64, dtype=torch.float32, device=torch.device("cpu"),
+                        use_graphs=False, batch_sizes=[1, 2, 4], span_step=32, compile_step=c) for c in (False, True)]
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = decs
+    with torch.inference_mode():
+        compiled.compile()
+        graphs = counters["stats"]["unique_graphs"]
+        for dec in decs:
+            dec.prefill([[5 + i] * (3 + i) for i in range(4)], list(range(4)), 0)
+            dec.positions.copy_(torch.tensor([3 + i for i in range(4)]))
+        for rows in compiled.batch_sizes:
+            for span in compiled.spans:
+                for dec in decs:
+                    dec.tokens.copy_(torch.arange(100, 104))
+                torch.testing.assert_close(compiled._step(rows, span), eager._step(rows, span), rtol=1e-3, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] == graphs
