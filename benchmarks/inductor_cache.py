@@ -17,6 +17,12 @@ packed cache is over --max-mib: it would not come back, or not fit a call.
 The 7B engine's (machine AE): 72 MiB, one 4.1-MiB part; a fresh machine
 seeded with it was ready in 148 s (docs/gpu_notes.md run 92). The packing
 is cluster/compile_cache.py's, which seeds new GPU nodes the same way.
+On the device it packs fast (xz -6 on every core, 8 MiB dictionaries); here, where time is free, repacking with
+xz's largest dictionary halves it, since the FX-graph entries repeat one another across files (the bf16 and FP8
+engines' 207 MiB: 12.0 MiB -> 5.6 MiB, 2026-12-05), which keeps it inside a call beside the Ray bundle:
+
+    mkdir /tmp/c && cat <fetched parts> | xz -dc | tar -x -C /tmp/c
+    tar -C /tmp/c -cf - . | xz -9e -T2 > .inductor_cache/inductor-cache.tar.xz.part00   # one part
 """
 
 from __future__ import annotations
