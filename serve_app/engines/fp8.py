@@ -15,7 +15,7 @@ max/scale/cast fuses into the kernel that produced it (the RMSNorm or the
 SiLU-and-multiply), so the extra pass over the activations is not paid twice.
 
 Where the scales are applied (``scales``): "gemm" hands them to ``_scaled_mm``,
-whose row-wise kernel on an H100 runs the 7B's decode shapes 1.3-1.8x slower
+whose row-wise kernel on an H100 runs the 7B's decode shapes 1.06-1.76x slower
 than its one-scale-per-tensor kernel (q/o at 64 rows 12.8 against 7.9 us, down
 48.7 against 27.6; run 115); "epilogue" runs that per-tensor kernel with unit
 scales and multiplies its output by the row and channel scales afterwards, an
