@@ -139,24 +139,25 @@ def check_device(device) -> None:
 def quantize_linears(model, out_dtype, scales: str = "gemm") -> int:
     """Replaces each ``nn.Linear`` of ``model`` (in place), except those named in SKIP_NAMES and those whose
     dimensions _scaled_mm cannot take, by an FP8Linear applying its scales as ``scales`` says; returns how many
-    were replaced. Call after
-    ``fuse_projections``: a fused weight gets its scales per output channel all the same."""
+    were replaced. Call after ``fuse_projections``: a fused weight gets its scales per output channel all the
+    same."""
     import torch
     from torch import nn
 
     fp8_linear = _module_class()
-    targets = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear and name not in SKIP_NAMES:
-                targets.append((parent, name, child))
+    # names, not modules: no reference here keeps a replaced bf16 weight alive, so each is freed as its layer
+    # is replaced and the peak stays one layer over the bf16 model, not both models side by side
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is nn.Linear and name not in SKIP_NAMES]
     replaced = kept = 0
-    for parent, name, child in targets:
-        if child.in_features % _DIM_MULTIPLE or child.out_features % _DIM_MULTIPLE:
+    for parent, name in targets:
+        linear = getattr(parent, name)
+        if linear.in_features % _DIM_MULTIPLE or linear.out_features % _DIM_MULTIPLE:
             kept += 1
-            continue
-        setattr(parent, name, fp8_linear(child, out_dtype, scales))
-        replaced += 1
+        else:
+            setattr(parent, name, fp8_linear(linear, out_dtype, scales))
+            replaced += 1
+        linear = None
     if kept:
         log.info("fp8: %d linear layers kept in %s (dimensions not multiples of %d)", kept, out_dtype,
                  _DIM_MULTIPLE)
