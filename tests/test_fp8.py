@@ -94,6 +94,20 @@ def test_check_device_passes_on_the_cpu():
     check_device("cpu")
 
 
+def test_a_kernel_torch_refuses_is_a_clear_error_before_any_layer_changes(monkeypatch):
+    """On CUDA, _scaled_mm's row-wise kernel takes only a bf16 output: a float16 engine must fail at start
+    naming the setting, not at its first request. torch's own refusal stands in here (the CPU kernel takes
+    every dtype)."""
+    from serve_app.engines.fp8 import FP8UnsupportedError
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.raises(FP8UnsupportedError, match=r"fp8_scales 'gemm', dtype torch.float16.*Only bf16"):
+        check_device("cpu", torch.float16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_check_device_names_the_gpu_when_it_has_no_fp8():
     from serve_app.engines.fp8 import FP8UnsupportedError

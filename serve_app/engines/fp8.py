@@ -116,10 +116,13 @@ def _module_class():
     return FP8Linear
 
 
-def check_device(device) -> None:
-    """Raises FP8UnsupportedError unless a row-wise scaled e4m3 GEMM runs on ``device``."""
+def check_device(device, out_dtype=None, scales: str = "gemm") -> None:
+    """Raises FP8UnsupportedError unless an FP8Linear with these settings runs on ``device`` (row-wise scales in
+    the GEMM take only a bf16 output on CUDA, for one)."""
     import torch
+    from torch import nn
 
+    out_dtype = out_dtype or torch.bfloat16
     if torch.device(device).type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
@@ -127,13 +130,11 @@ def check_device(device) -> None:
                 f"quantization 'fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell); "
                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
     try:
-        x = torch.ones(16, 32, device=device)
-        xq, xs = quantize_rows(x)
-        wq, ws = quantize_weight(torch.ones(16, 32, device=device))
-        torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+        probe = _module_class()(nn.Linear(32, 16, device=device, dtype=out_dtype), out_dtype, scales)
+        probe(torch.ones(16, 32, device=device, dtype=out_dtype))
     except (RuntimeError, TypeError, NotImplementedError) as e:
-        raise FP8UnsupportedError(f"quantization 'fp8': torch {torch.__version__} cannot run a row-wise scaled "
-                                  f"e4m3 GEMM on {device}: {e}") from e
+        raise FP8UnsupportedError(f"quantization 'fp8' (fp8_scales {scales!r}, dtype {out_dtype}): torch "
+                                  f"{torch.__version__} cannot run a scaled e4m3 GEMM on {device}: {e}") from e
 
 
 def quantize_linears(model, out_dtype, scales: str = "gemm") -> int:

@@ -266,7 +266,7 @@ class HFEngine(HFTokenization, Engine):
         from .fp8 import FP8UnsupportedError, check_device, quantize_linears
 
         try:
-            check_device(self.device)
+            check_device(self.device, self.dtype, self.options.fp8_scales)
         except FP8UnsupportedError as e:
             raise EngineNotReadyError(str(e)) from e
         n = quantize_linears(self.model, self.dtype, self.options.fp8_scales)

@@ -33,9 +33,10 @@ class HFEngineOptions(StrictModel):
         "none",
         description="'fp8': the decoder's linear layers run as e4m3 GEMMs (torch._scaled_mm), weights quantized "
         "from the checkpoint at load with one scale per output channel, activations per token at run time "
-        "(vLLM's dynamic FP8); the LM head, norms, attention and KV cache stay in dtype. Half the weight memory "
-        "and bytes per decode step. Needs a GPU of compute capability 8.9+ (Ada, Hopper); runs on the CPU "
-        "only to check answers. One rank only (tensor_parallel_size 1). Accuracy and speed: docs/engines.md.",
+        "(vLLM's dynamic FP8); the LM head, norms, attention and KV cache stay in dtype. The linear layers' "
+        "weights take half the memory and half the bytes a decode step reads. Needs a GPU of compute "
+        "capability 8.9+ (Ada, Hopper); runs on the CPU only to check answers. One rank only "
+        "(tensor_parallel_size 1). Accuracy and speed: docs/engines.md.",
     )
     fp8_scales: Literal["gemm", "epilogue"] = Field(
         "gemm",
