@@ -43,7 +43,21 @@ PROMPTS = [
 ]
 
 
+def quantized(full):
+    """(a copy of ``full`` with its linear layers quantized as the engine quantizes them, how many)."""
+    import torch
+
+    from serve_app.engines.fp8 import quantize_linears
+    from serve_app.engines.fused import fuse_projections
+
+    quant = copy.deepcopy(full)
+    fuse_projections(quant)
+    return quant, quantize_linears(quant, torch.float32)
+
+
 def compare(full, quant, tok, prompt: str, tokens: int) -> dict:
+    """The full model's greedy answer to ``prompt`` and ``quant``'s, and ``quant`` teacher-forced over the full
+    model's: same top token, KL of its next-token distribution from the full model's, first differing token."""
     import torch
 
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -76,16 +90,12 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from serve_app.engines.fp8 import quantize_linears
-    from serve_app.engines.fused import fuse_projections
     from serve_app.engines.model_store import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
-    quant = copy.deepcopy(full)
-    fuse_projections(quant)
-    layers = quantize_linears(quant, torch.float32)
+    quant, layers = quantized(full)
     half = copy.deepcopy(full).to(torch.bfloat16)
     t0 = time.perf_counter()
     res = {"model": args.model, "torch": torch.__version__, "quantized_layers": layers, "tokens": args.tokens}

@@ -177,10 +177,10 @@ def gemm_fp8(ms: tuple[int, ...]) -> list[dict]:
     import torch
     from torch import nn
 
-    from serve_app.engines.fp8 import _module_class, quantize_rows, quantize_weight
+    from serve_app.engines.fp8 import fp8_linear_class, quantize_rows, quantize_weight
 
     one = torch.tensor(1.0, device="cuda")
-    fp8_linear = _module_class()
+    fp8_linear = fp8_linear_class()
     rows = []
     for name, (n, k) in gemm_shapes().items():
         if name.startswith(("k or v", "gate or up")):

@@ -136,25 +136,18 @@ def test_quantization_option_is_validated():
 
 def test_quantized_smollm2_stays_close_to_the_full_precision_model(embedded_model_dir):
     """Teacher-forced over the full model's own greedy answers: the quantized one picks the same next token
-    at most positions and its distribution stays close (benchmarks/fp8_quality.py prints the same figures)."""
+    at most positions and its distribution stays close (benchmarks/fp8_quality.py's comparison, on two prompts)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.fp8_quality import compare, quantized
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir, local_files_only=True)
     full = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32,
                                                 local_files_only=True).eval()
-    fp8 = copy.deepcopy(full)
-    fuse_projections(fp8)
-    assert quantize_linears(fp8, torch.float32) == 4 * full.config.num_hidden_layers
-    agree, kls = [], []
-    for q in ("What is the capital of France?", "Name three primary colors."):
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        with torch.no_grad():
-            ref = full.generate(ids, max_new_tokens=16, do_sample=False)
-            lf = full(ref).logits[0, ids.shape[1] - 1:-1].log_softmax(-1)
-            lq = fp8(ref).logits[0, ids.shape[1] - 1:-1].log_softmax(-1)
-        agree.append((lq.argmax(-1) == ref[0, ids.shape[1]:]).float().mean().item())
-        kls.append((lf.exp() * (lf - lq)).sum(-1).mean().item())
+    fp8, layers = quantized(full)
+    assert layers == 4 * full.config.num_hidden_layers
+    rows = [compare(full, fp8, tok, q, 16) for q in ("What is the capital of France?", "Name three primary colors.")]
+    agree, kls = [r["top1_agree"] for r in rows], [r["kl_mean"] for r in rows]
     assert min(agree) >= 0.75, agree
     assert 0 < max(kls) < 0.2, kls
 

@@ -29,6 +29,7 @@ logits pick the tokens, and at 64 rows it is ~7 % of a step's GEMM time.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,10 @@ def quantize_rows(x):
     return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-def _module_class():
+@functools.cache
+def fp8_linear_class():
+    """The FP8Linear module class, made on first use so that importing this module does not import torch; one
+    class for every caller."""
     import torch
     from torch import nn
 
@@ -130,7 +134,7 @@ def check_device(device, out_dtype=None, scales: str = "gemm") -> None:
                 f"quantization 'fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell); "
                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
     try:
-        probe = _module_class()(nn.Linear(32, 16, device=device, dtype=out_dtype), out_dtype, scales)
+        probe = fp8_linear_class()(nn.Linear(32, 16, device=device, dtype=out_dtype), out_dtype, scales)
         probe(torch.ones(16, 32, device=device, dtype=out_dtype))
     except (RuntimeError, TypeError, NotImplementedError) as e:
         raise FP8UnsupportedError(f"quantization 'fp8' (fp8_scales {scales!r}, dtype {out_dtype}): torch "
@@ -145,7 +149,7 @@ def quantize_linears(model, out_dtype, scales: str = "gemm") -> int:
     import torch
     from torch import nn
 
-    fp8_linear = _module_class()
+    fp8_linear = fp8_linear_class()
     # names, not modules: no reference here keeps a replaced bf16 weight alive, so each is freed as its layer
     # is replaced and the peak stays one layer over the bf16 model, not both models side by side
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
