@@ -122,6 +122,13 @@ class EngineNotReadyError(SeekserveError):
     default_code = "not_ready"
 
 
+class KVCacheTooLargeError(EngineNotReadyError):
+    """The configured KV cache does not fit the memory the engine may use; raised at start, before the cache
+    is allocated, so the replica fails with the sizes instead of an out-of-memory error later."""
+
+    default_code = "kv_cache_too_large"
+
+
 class RequestTimeoutError(SeekserveError):
     status_code = 504
     grpc_status = "DEADLINE_EXCEEDED"

@@ -306,9 +306,10 @@ async def test_the_child_stops_when_the_replica_goes_away():
 
 @pytest.mark.asyncio
 async def test_a_child_that_cannot_start_fails_the_replica_start(embedded_model_dir):
-    # the tokenizer loads in the replica; the model cannot load in the child (no GPU here)
+    # the tokenizer loads in the replica; the model cannot load in the child (no GPU here), and the replica
+    # gets the engine's own error, as it would from an engine in its own process
     eng = create_engine("hf", {**SMOL_OPTS, "device": "cuda"}, process="separate")
-    with pytest.raises(EngineError, match="failed to start"):
+    with pytest.raises(EngineNotReadyError, match="'cuda' but no GPU is visible"):
         await eng.start()
     assert await asyncio.to_thread(eng._proc.wait, 15) == 1
 

@@ -90,6 +90,42 @@ def test_layers_scaled_mm_cannot_take_stay_unquantized():
     assert out.shape == (2, 5, 32)
 
 
+def test_with_a_device_each_layer_moves_there_as_it_is_quantized_and_the_rest_stays():
+    """The engine loads an fp8 model on the CPU and quantizes it onto the GPU layer by layer, so the GPU never
+    holds the model's bf16 linear weights whole; "meta" stands in for the GPU here."""
+    model = _tiny_qwen2()
+    fuse_projections(model)
+    assert quantize_linears(model, torch.float32, device="meta") == 4 * 2
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        on_meta = ".qkv_proj." in name or ".o_proj." in name or ".gate_up_proj." in name or ".down_proj." in name
+        assert t.device.type == ("meta" if on_meta else "cpu"), name
+    assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 (compute capability 8.9+)")
+@pytest.mark.asyncio
+async def test_an_fp8_engine_never_holds_the_bf16_linear_weights_on_the_gpu(embedded_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from serve_app.engines.registry import create_engine
+
+    bf16 = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.bfloat16, local_files_only=True)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in bf16.parameters())
+    linear_bytes = sum(m.weight.numel() * 2 for n, m in bf16.named_modules()
+                       if type(m) is torch.nn.Linear and n != "lm_head")
+    del bf16
+    torch.cuda.reset_peak_memory_stats()
+    eng = create_engine("hf", {"device": "cuda", "kv_cache": "dynamic", "max_num_seqs": 2, "max_model_len": 256,
+                               "max_kv_tokens": 512, "quantization": "fp8"})
+    await eng.start()
+    try:
+        # the load's peak stays below the bf16 model by about half its linear weights (the e4m3 saving)
+        assert torch.cuda.max_memory_allocated() < bf16_bytes - 0.4 * linear_bytes
+    finally:
+        await eng.shutdown()
+
+
 def test_check_device_passes_on_the_cpu():
     check_device("cpu")
 

@@ -141,11 +141,13 @@ def check_device(device, out_dtype=None, scales: str = "gemm") -> None:
                                   f"{torch.__version__} cannot run a scaled e4m3 GEMM on {device}: {e}") from e
 
 
-def quantize_linears(model, out_dtype, scales: str = "gemm") -> int:
+def quantize_linears(model, out_dtype, scales: str = "gemm", device=None) -> int:
     """Replaces each ``nn.Linear`` of ``model`` (in place), except those named in SKIP_NAMES and those whose
     dimensions _scaled_mm cannot take, by an FP8Linear applying its scales as ``scales`` says; returns how many
-    were replaced. Call after ``fuse_projections``: a fused weight gets its scales per output channel all the
-    same."""
+    were replaced. With ``device``, each layer is moved there just before it is quantized, so a model loaded on
+    the CPU reaches the GPU as e4m3 (the GPU's peak: the FP8 layers so far plus one layer in the model's dtype);
+    the layers it leaves as they are stay where they were. Call after ``fuse_projections``: a fused weight gets
+    its scales per output channel all the same."""
     import torch
     from torch import nn
 
@@ -160,6 +162,8 @@ def quantize_linears(model, out_dtype, scales: str = "gemm") -> int:
         if linear.in_features % _DIM_MULTIPLE or linear.out_features % _DIM_MULTIPLE:
             kept += 1
         else:
+            if device is not None:
+                linear.to(device)
             setattr(parent, name, fp8_linear(linear, out_dtype, scales))
             replaced += 1
         linear = None

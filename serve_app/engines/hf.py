@@ -40,6 +40,7 @@ from serve_app.errors import (
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ends_stream, handout_order
 from .hf_batch import LocalRunner, resolve_device_dtype
 from .launch_timing import GapMeter, PassTimer, PassTimes, launch_wait_s, pass_label
+from .memory import KVLayout, check_static, check_tokens, device_budget
 from .options import HFEngineOptions
 from .prefill_policy import PrefillContext, hold_prefill
 from .textproc import IncrementalDetokenizer, StopStringFilter
@@ -181,6 +182,7 @@ class HFEngine(HFTokenization, Engine):
         self._ready = False
         self._stats = EngineStats()
         self.load_time_s: float | None = None
+        self.kv_cache_bytes = 0  # what the KV cache may take (static: takes), checked against memory at load
 
     @classmethod
     def frontend(cls, options: HFEngineOptions) -> HFFrontend:
@@ -223,12 +225,18 @@ class HFEngine(HFTokenization, Engine):
             device, dtype_name = resolve_device_dtype(opts)
             self.device = torch.device(device)
             self.dtype = getattr(torch, dtype_name)
+            if opts.quantization == "fp8":
+                self._check_fp8()  # in a second, not after minutes of loading
+            # loaded on the CPU; fp8 moves it to the device layer by layer as it quantizes (_quantize), so the
+            # GPU never holds the whole model in dtype: a model whose bf16 weights exceed it loads all the same
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_dir,
                 dtype=self.dtype,
                 attn_implementation=opts.attn_implementation,
                 local_files_only=True,
-            ).to(self.device)
+            )
+            if opts.quantization == "none":
+                self.model.to(self.device)
             self.model.eval()
             cfg, gen_cfg = self.model.config, self.model.generation_config
         model_len = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -253,25 +261,41 @@ class HFEngine(HFTokenization, Engine):
             self._setup_static(device)
         else:
             self._quantize()
+            if self.device.type == "cuda":
+                # the dynamic cache grows with the batch: what max_kv_tokens admits must fit, or a busy moment
+                # runs out of memory with every running request in it (on the CPU memory comes as it is used)
+                self.kv_cache_bytes = check_tokens(self._kv_layout(), opts.max_kv_tokens, self._kv_budget())
             self._runner = LocalRunner(self.model, self.device, self._pad_id)
         self._warm_up()
         self.load_time_s = time.monotonic() - t0
         log.info("hf engine ready: %s on %s/%s in %.1fs", opts.model, device, dtype_name, self.load_time_s)
 
-    def _quantize(self) -> None:
-        """quantization 'fp8': the decoder's linear layers to e4m3 (after any fusing, before graphs are
-        captured, so every captured pass runs them)."""
-        if self.options.quantization != "fp8":
-            return
-        from .fp8 import FP8UnsupportedError, check_device, quantize_linears
+    def _check_fp8(self) -> None:
+        from .fp8 import FP8UnsupportedError, check_device
 
         try:
             check_device(self.device, self.dtype, self.options.fp8_scales)
         except FP8UnsupportedError as e:
             raise EngineNotReadyError(str(e)) from e
-        n = quantize_linears(self.model, self.dtype, self.options.fp8_scales)
+
+    def _quantize(self) -> None:
+        """quantization 'fp8': the decoder's linear layers to e4m3 on the device, one at a time, then the rest
+        of the model to the device (after any fusing, before graphs are captured, so every captured pass runs
+        them)."""
+        if self.options.quantization != "fp8":
+            return
+        from .fp8 import quantize_linears
+
+        n = quantize_linears(self.model, self.dtype, self.options.fp8_scales, device=self.device)
+        self.model.to(self.device)
         log.info("fp8: %d linear layers quantized (e4m3, row-wise scales applied in the %s; the LM head kept in %s)",
                  n, self.options.fp8_scales, self.dtype)
+
+    def _kv_layout(self):
+        return KVLayout.of(self.model.config, self.dtype.itemsize)
+
+    def _kv_budget(self):
+        return device_budget(self.device, self.options.gpu_memory_utilization)
 
     def _setup_static(self, device: str) -> None:
         import heapq
@@ -287,6 +311,9 @@ class HFEngine(HFTokenization, Engine):
             fuse_projections(self.model)
         self._quantize()
         use_graphs = device == "cuda" and opts.cuda_graphs
+        spare = 1 if use_graphs and opts.compile_decode else 0  # SlotDecoder's spare position
+        self.kv_cache_bytes = check_static(self._kv_layout(), opts.max_num_seqs, self._max_model_len + spare,
+                                           self._kv_budget(), spare_tokens=spare)
         sizes = opts.cuda_graph_batch_sizes or (
             [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(96, opts.max_num_seqs + 1, 32)))
         self._slots = SlotDecoder(
@@ -421,7 +448,8 @@ class HFEngine(HFTokenization, Engine):
     def warm_up(self) -> dict:
         """What the start did before ready (on a GPU: minutes of compiling), and whether serving has met a
         prefill shape the compiled pass does not cover; the replica reports it with its stats."""
-        out: dict = {"load_s": self.load_time_s, "kv_cache": "static" if self._slots is not None else "dynamic"}
+        out: dict = {"load_s": self.load_time_s, "kv_cache": "static" if self._slots is not None else "dynamic",
+                     "kv_cache_gb": self.kv_cache_bytes / 1e9}
         slots = self._slots
         if slots is not None:
             from .slot_kv import compile_cache_counts

@@ -64,6 +64,14 @@ class HFEngineOptions(StrictModel):
         description="KV-cache token budget. A request is scheduled only when its prompt "
         "plus max_tokens fits in what is left, so the cache never outgrows it.",
     )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0,
+        description="Fraction of the GPU's memory the weights and the KV cache may take together (vLLM's "
+        "setting); the rest is left for activations, CUDA graphs and compiling. Checked at start, before the "
+        "cache is allocated: a KV cache that does not fit fails the replica with the sizes and the "
+        "max_model_len / max_num_seqs that would fit. On the CPU the cache is checked against the host's "
+        "available memory instead.",
+    )
     max_prefill_tokens: int = Field(
         4096, ge=16, description="Padded prompt tokens one prefill forward pass may take."
     )

@@ -293,7 +293,11 @@ class SeparateProcessEngine(Engine):
             self._ready_fut.set_result(msg[1])
         elif kind == "failed":
             if not self._ready_fut.done():
-                self._ready_fut.set_exception(EngineError(f"the engine process failed to start: {msg[1]}"))
+                # the engine's own error where it has one (a KV cache too large, a GPU without FP8), so the
+                # replica fails with the same type as an engine in its own process would
+                err = msg[1] if isinstance(msg[1], SeekserveError) else EngineError(
+                    f"the engine process failed to start: {msg[1]}")
+                self._ready_fut.set_exception(err)
 
     def _child_gone(self, reason: str) -> None:
         if self._gone is not None:
@@ -467,7 +471,7 @@ async def _serve(conn: Connection) -> int:
         await engine.start()
     except BaseException as e:  # the replica reports it; a traceback in this log helps the operator
         log.exception("engine %s failed to start", backend)
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        conn.send(("failed", e if isinstance(e, SeekserveError) else f"{type(e).__name__}: {e}"))
         return 1
     conn.send(("ready", {
         "max_model_len": engine.max_model_len,

@@ -1,0 +1,133 @@
+"""Whether the KV cache fits, checked before it is allocated.
+
+Why: a KV cache that does not fit fails late and badly. On a GPU it is a CUDA
+out-of-memory error deep in the start or, for a cache that grows with the
+batch, under load, taking every running request with it. On the CPU the
+allocation succeeds lazily and the kernel kills the process once the pages
+are touched. vLLM refuses such a configuration at start and names the sizes;
+so does this, and it says what would fit.
+
+The budget is vLLM's ``gpu_memory_utilization``: the weights and the KV cache
+may take that fraction of the GPU's memory, and what is in use when the check
+runs (the weights, already loaded and quantized, and any other process on the
+GPU) counts against it. The rest is left for activations, CUDA graphs and the
+compiler's workspace; unlike vLLM this does not profile a forward pass to
+measure them. On the CPU the budget is the host memory the kernel reports
+available (``MemAvailable``) at the moment of the check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve_app.errors import KVCacheTooLargeError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one cached token takes: keys and values of every layer, on one rank."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    element_bytes: int
+
+    @classmethod
+    def of(cls, config, element_bytes: int, tensor_parallel_size: int = 1) -> "KVLayout":
+        """The layout of a transformers config; a rank of ``tensor_parallel_size`` holds its share of the
+        KV heads (at least one: a rank never holds part of a head)."""
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(cfg.num_hidden_layers, -(-kv_heads // tensor_parallel_size), head_dim, element_bytes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.element_bytes
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes the KV cache may take, and where that figure comes from (for the error message)."""
+
+    bytes: int
+    source: str
+    knob: str = ""  # the setting that would raise it, if any
+
+
+def check_static(layout: KVLayout, num_slots: int, tokens_per_slot: int, budget: Budget,
+                 spare_tokens: int = 0) -> int:
+    """Bytes of a cache of ``num_slots`` x ``tokens_per_slot`` tokens (``spare_tokens`` of each slot being
+    the engine's own, never a sequence's); raises KVCacheTooLargeError, naming the max_model_len and the
+    max_num_seqs that would fit, if it exceeds the budget."""
+    need = layout.bytes_per_token * num_slots * tokens_per_slot
+    if need <= budget.bytes:
+        return need
+    room = max(budget.bytes, 0) // layout.bytes_per_token  # tokens that fit
+    max_len = room // num_slots - spare_tokens
+    max_slots = room // tokens_per_slot
+    fixes = []
+    if max_len >= 1:
+        fixes.append(f"max_model_len <= {max_len}")
+    if max_slots >= 1:
+        fixes.append(f"max_num_seqs <= {max_slots}")
+    raise KVCacheTooLargeError(_message(
+        f"the static KV cache ({num_slots} sequences x {tokens_per_slot} tokens x "
+        f"{layout.bytes_per_token / 1024:.1f} KiB = {need / GB:.2f} GB)", budget, fixes))
+
+
+def check_tokens(layout: KVLayout, tokens: int, budget: Budget) -> int:
+    """Bytes of ``tokens`` cached tokens (the dynamic cache's admission bound, max_kv_tokens); raises
+    KVCacheTooLargeError, naming the max_kv_tokens that would fit, if they exceed the budget."""
+    need = layout.bytes_per_token * tokens
+    if need <= budget.bytes:
+        return need
+    room = max(budget.bytes, 0) // layout.bytes_per_token
+    fixes = [f"max_kv_tokens <= {room}"] if room >= 1 else []
+    raise KVCacheTooLargeError(_message(
+        f"max_kv_tokens' KV cache ({tokens} tokens x {layout.bytes_per_token / 1024:.1f} KiB = "
+        f"{need / GB:.2f} GB)", budget, fixes))
+
+
+def _message(what: str, budget: Budget, fixes: list[str]) -> str:
+    if budget.bytes <= 0:
+        where = f"nothing is left for it: {budget.source}"
+    else:
+        where = f"it does not fit the {budget.bytes / GB:.2f} GB {budget.source}"
+    if budget.knob:
+        fixes.append(f"a higher {budget.knob}")
+    todo = f"; set {' or '.join(fixes)}" if fixes else ""
+    return f"{what}: {where}{todo}"
+
+
+def device_budget(device, gpu_memory_utilization: float) -> Budget:
+    """The KV cache's budget on ``device`` now (a torch.device), after the weights are in place."""
+    if device.type == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free
+        allowed = int(gpu_memory_utilization * total)
+        return Budget(
+            allowed - in_use,
+            f"left of gpu_memory_utilization {gpu_memory_utilization:g} x {total / GB:.1f} GB on "
+            f"{torch.cuda.get_device_name(device)} with {in_use / GB:.2f} GB in use (weights and other processes)",
+            knob="gpu_memory_utilization" if gpu_memory_utilization < 1 else "")
+    return Budget(host_available_bytes(), "of host memory available")
+
+
+def host_available_bytes() -> int:
+    """MemAvailable (Linux: free memory plus what the page cache would give back), else free pages."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,131 @@
+"""The KV cache's memory check (serve_app/engines/memory.py): the sizes, the
+suggested settings, and an engine on the real SmolLM2 refusing a cache that
+does not fit before it allocates anything."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from serve_app.engines.memory import Budget, KVLayout, check_static, check_tokens, device_budget
+from serve_app.errors import KVCacheTooLargeError
+
+GiB = 1 << 30
+
+
+def _qwen7b_config():
+    from transformers import Qwen2Config
+
+    # DeepSeek-R1-Distill-Qwen-7B's shape
+    return Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064)
+
+
+def test_a_token_of_the_7b_takes_56_kib_in_bf16_and_a_rank_its_share_of_the_heads():
+    cfg = _qwen7b_config()
+    # 28 layers x (keys + values) x 4 KV heads x 128 dims x 2 bytes
+    assert KVLayout.of(cfg, 2).bytes_per_token == 28 * 2 * 4 * 128 * 2 == 57_344
+    assert KVLayout.of(cfg, 2, tensor_parallel_size=2).bytes_per_token == 57_344 // 2
+    # 8 ranks over 4 KV heads: each rank still holds a whole head
+    assert KVLayout.of(cfg, 2, tensor_parallel_size=8).kv_heads == 1
+
+
+def _suggested(message: str, name: str) -> int:
+    return int(re.search(rf"{name} <= (\d+)", message).group(1))
+
+
+@pytest.mark.parametrize("slots,tokens,spare", [(64, 32768, 0), (96, 8193, 1), (9, 100_000, 1)])
+def test_a_cache_over_budget_names_the_largest_max_model_len_and_max_num_seqs_that_fit(slots, tokens, spare):
+    layout = KVLayout.of(_qwen7b_config(), 2)
+    budget = Budget(40 * GiB + 12_345, "left on the test GPU", knob="gpu_memory_utilization")
+    assert check_static(layout, 1, tokens, budget, spare) == layout.bytes_per_token * tokens
+    with pytest.raises(KVCacheTooLargeError) as e:
+        check_static(layout, slots, tokens, budget, spare)
+    msg = str(e.value)
+    assert e.value.status_code == 503 and e.value.code == "kv_cache_too_large"
+    assert f"{slots} sequences x {tokens} tokens" in msg and "left on the test GPU" in msg
+    assert "a higher gpu_memory_utilization" in msg
+    # each suggestion is the largest that fits: one more does not
+    max_len, max_slots = _suggested(msg, "max_model_len"), _suggested(msg, "max_num_seqs")
+    check_static(layout, slots, max_len + spare, budget, spare)
+    with pytest.raises(KVCacheTooLargeError):
+        check_static(layout, slots, max_len + spare + 1, budget, spare)
+    check_static(layout, max_slots, tokens, budget, spare)
+    with pytest.raises(KVCacheTooLargeError):
+        check_static(layout, max_slots + 1, tokens, budget, spare)
+
+
+def test_max_kv_tokens_over_budget_names_the_largest_that_fits():
+    layout = KVLayout.of(_qwen7b_config(), 2, tensor_parallel_size=2)
+    budget = Budget(3 * GiB, "left on rank 0")
+    with pytest.raises(KVCacheTooLargeError, match=r"max_kv_tokens' KV cache \(200000 tokens") as e:
+        check_tokens(layout, 200_000, budget)
+    fits = _suggested(str(e.value), "max_kv_tokens")
+    assert check_tokens(layout, fits, budget) <= budget.bytes
+    with pytest.raises(KVCacheTooLargeError):
+        check_tokens(layout, fits + 1, budget)
+    assert "higher" not in str(e.value)  # no knob to name
+
+
+def test_weights_already_over_the_budget_leave_no_setting_to_suggest_but_the_budget():
+    layout = KVLayout.of(_qwen7b_config(), 2)
+    budget = Budget(-2 * GiB, "left of gpu_memory_utilization 0.5 x 80.0 GB", knob="gpu_memory_utilization")
+    with pytest.raises(KVCacheTooLargeError) as e:
+        check_static(layout, 1, 16, budget)
+    msg = str(e.value)
+    assert "nothing is left for it" in msg and "max_model_len" not in msg and "max_num_seqs" not in msg
+    assert msg.endswith("set a higher gpu_memory_utilization")
+
+
+def test_the_cpu_budget_is_the_hosts_available_memory():
+    import torch
+
+    budget = device_budget(torch.device("cpu"), 0.9)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < budget.bytes <= total
+    assert budget.knob == ""  # gpu_memory_utilization does not apply to the host
+
+
+def test_gpu_memory_utilization_is_validated():
+    from serve_app.engines.options import HFEngineOptions
+
+    assert HFEngineOptions().gpu_memory_utilization == 0.9
+    for bad in (0, 1.2, -0.1):
+        with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+            HFEngineOptions(gpu_memory_utilization=bad)
+
+
+# ---- the engine on the real SmolLM2 -----------------------------------------------
+# 1024 slots x 8192 tokens x SmolLM2's 45 KiB (float32) a token: ~386 GB, more than any CI host has
+TOO_BIG = {"device": "cpu", "kv_cache": "static", "max_num_seqs": 1024, "max_model_len": 8192,
+           "max_kv_tokens": 8192}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("process", ["inline", "separate"])
+async def test_an_engine_refuses_a_static_cache_the_host_cannot_hold_before_allocating_it(embedded_model_dir,
+                                                                                       process):
+    from serve_app.engines.registry import create_engine
+
+    eng = create_engine("hf", TOO_BIG, process=process)
+    # a torch allocation error would be a RuntimeError: this is the check, before any allocation
+    with pytest.raises(KVCacheTooLargeError, match=r"1024 sequences x 8192 tokens x 45\.0 KiB = 386\.55 GB\): it "
+                       r"does not fit the .* GB of host memory available; set max_model_len <= \d+ or "
+                       r"max_num_seqs <= \d+$"):
+        await eng.start()
+    if process == "separate":
+        assert await asyncio.to_thread(eng._proc.wait, 15) == 1
+
+
+@pytest.mark.asyncio
+async def test_an_engine_whose_cache_fits_reports_its_size(embedded_model_dir):
+    from tests.conftest import started_engine
+
+    async with started_engine("hf", {**TOO_BIG, "max_num_seqs": 2, "max_model_len": 1024}) as eng:
+        # 2 x 1024 tokens x 30 layers x (keys + values) x 3 KV heads x 64 dims x 4 bytes
+        assert eng.warm_up["kv_cache_gb"] == pytest.approx(2 * 1024 * 30 * 2 * 3 * 64 * 4 / 1e9)
+        assert eng._slots.cache.bytes == eng.kv_cache_bytes
