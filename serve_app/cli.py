@@ -30,6 +30,50 @@ def cmd_config_validate(args) -> int:
     return 0
 
 
+def cmd_config_memory(args) -> int:
+    """Each hf variant's weights and KV cache per GPU against ``--gpu-memory-gib``, and whether its engine's
+    start-up check would pass; exit 1 if any would not."""
+    from transformers import AutoConfig
+
+    from serve_app.engines.memory import GB, count_weights, plan_hf
+    from serve_app.engines.model_store import ModelNotAvailableError, resolve_model_dir
+    from serve_app.engines.options import HFEngineOptions
+
+    cfg = _load(args.config)
+    gpu_bytes = int(args.gpu_memory_gib * 2**30)
+    rows, errors = [], []
+    for model in cfg.models:
+        for v in model.variants:
+            name = f"{model.name}/{v.name}"
+            opts = v.engine.options
+            if v.engine.backend != "hf" or opts.get("device") == "cpu":
+                where = "the CPU: checked at start" if v.engine.backend == "hf" else f"backend {v.engine.backend}"
+                rows.append((name, where, "", "", "", "", ""))
+                continue
+            options = HFEngineOptions.model_validate(opts)
+            try:
+                model_dir = resolve_model_dir(options.model)
+                plan = plan_hf(options, AutoConfig.from_pretrained(model_dir, local_files_only=True),
+                               count_weights(model_dir), gpu_bytes, v.tensor_parallel_size)
+            except (ModelNotAvailableError, OSError) as e:
+                print(f"error: {name}: cannot read the model: {e}", file=sys.stderr)
+                return 2
+            rows.append((name, f"{options.quantization} x{v.tensor_parallel_size}", f"{plan.weights_bytes / GB:.2f}",
+                         plan.kv_what, f"{plan.kv_bytes / GB:.2f}", f"{plan.budget_bytes / GB:.2f}",
+                         "no" if plan.error else "yes"))
+            if plan.error:
+                errors.append(f"{name}: {plan.error}")
+    head = ("variant", "quant x ranks", "weights GB", "KV cache (tokens)", "KV GB", "budget GB", "fits")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    print(f"per GPU of {args.gpu_memory_gib:g} GiB ({gpu_bytes / GB:.1f} GB); budget = gpu_memory_utilization x "
+          "the GPU, for weights + KV cache")
+    for r in [head] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if errors else 0
+
+
 def cmd_serve(args) -> int:
     cfg = _load(args.config)
     import ray
@@ -241,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     v = csub.add_parser("validate", help="validate an app config YAML")
     v.add_argument("config")
     v.set_defaults(func=cmd_config_validate)
+    m = csub.add_parser("memory", help="each hf variant's weights and KV cache per GPU, and whether they fit")
+    m.add_argument("config")
+    m.add_argument("--gpu-memory-gib", type=float, required=True,
+                   help="memory of one GPU in GiB, nvidia-smi's total MiB / 1024 (an H100 80GB: 79.6)")
+    m.set_defaults(func=cmd_config_memory)
     return p
 
 

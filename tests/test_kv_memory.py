@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -15,6 +16,7 @@ from serve_app.engines.memory import Budget, KVLayout, check_static, check_token
 from serve_app.errors import KVCacheTooLargeError
 
 GiB = 1 << 30
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _qwen7b_config():
@@ -122,10 +124,66 @@ async def test_an_engine_refuses_a_static_cache_the_host_cannot_hold_before_allo
 
 
 @pytest.mark.asyncio
-async def test_an_engine_whose_cache_fits_reports_its_size(embedded_model_dir):
+async def test_an_engine_whose_cache_fits_holds_what_it_checked_and_what_the_offline_plan_says(embedded_model_dir):
+    from transformers import AutoConfig
+
+    from serve_app.engines.memory import count_weights, plan_hf
+    from serve_app.engines.options import HFEngineOptions
     from tests.conftest import started_engine
 
-    async with started_engine("hf", {**TOO_BIG, "max_num_seqs": 2, "max_model_len": 1024}) as eng:
+    opts = {**TOO_BIG, "dtype": "float32", "max_num_seqs": 2, "max_model_len": 1024}
+    plan = plan_hf(HFEngineOptions(**{**opts, "cuda_graphs": False}),
+                   AutoConfig.from_pretrained(embedded_model_dir, local_files_only=True),
+                   count_weights(embedded_model_dir), 80 * GiB)
+    async with started_engine("hf", opts) as eng:
         # 2 x 1024 tokens x 30 layers x (keys + values) x 3 KV heads x 64 dims x 4 bytes
         assert eng.warm_up["kv_cache_gb"] == pytest.approx(2 * 1024 * 30 * 2 * 3 * 64 * 4 / 1e9)
-        assert eng._slots.cache.bytes == eng.kv_cache_bytes
+        assert eng._slots.cache.bytes == eng.kv_cache_bytes == plan.kv_bytes
+        held = {p.data_ptr(): p.numel() * p.element_size() for p in eng.model.parameters()}
+        assert plan.weights_bytes == sum(held.values())
+        assert plan.error is None
+
+
+def test_the_plan_counts_fp8_weights_as_the_quantized_model_holds_them(embedded_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from serve_app.engines.fp8 import quantize_linears
+    from serve_app.engines.fused import fuse_projections
+    from serve_app.engines.memory import count_weights
+
+    count = count_weights(embedded_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.bfloat16, local_files_only=True)
+    fuse_projections(model)
+    quantize_linears(model, torch.bfloat16)
+    held = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    scales = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale"))
+    assert count.bytes(2, "fp8") == sum(held.values()) + scales
+    assert count.bytes(2) > count.bytes(2, "fp8") > count.bytes(1)  # the tied embedding stays in bf16
+
+
+def test_config_memory_prints_each_variant_and_fails_where_the_engine_would(tmp_path, capsys, embedded_model_dir):
+    import yaml
+
+    from serve_app.cli import main
+
+    assert main(["config", "memory", str(ROOT / "configs" / "default.yaml"), "--gpu-memory-gib", "79.6"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct/stable" in out and "static 32 x 8193" in out and out.rstrip().endswith("yes")
+    # 4 GiB: the default's 6 GB of static cache does not fit; the suggested max_model_len does
+    assert main(["config", "memory", str(ROOT / "configs" / "default.yaml"), "--gpu-memory-gib", "4"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.rstrip().endswith("no")
+    fix = _suggested(captured.err, "max_model_len")
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg["models"][0]["variants"][0]["engine"]["options"]["max_model_len"] = fix
+    path = tmp_path / "fixed.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["config", "memory", str(path), "--gpu-memory-gib", "4"]) == 0
+    # a model directory without weights: a clear error, exit 2
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text((embedded_model_dir / "config.json").read_text())
+    cfg["models"][0]["variants"][0]["engine"]["options"]["model"] = str(tmp_path / "empty")
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["config", "memory", str(path), "--gpu-memory-gib", "4"]) == 2
+    assert "cannot read the model: no *.safetensors files in" in capsys.readouterr().err

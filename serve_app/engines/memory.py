@@ -108,6 +108,9 @@ def device_budget(device, gpu_memory_utilization: float) -> Budget:
     if device.type == "cuda":
         import torch
 
+        # blocks torch's allocator keeps from the load (fusing frees the unfused weights, quantizing the bf16
+        # ones: 8.5 GB for the 7B) count as used in mem_get_info until they go back to the driver
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         in_use = total - free
         allowed = int(gpu_memory_utilization * total)
@@ -131,3 +134,95 @@ def host_available_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- planning a config offline (seekserve config memory) ------------------------------------------------------
+@dataclass(frozen=True)
+class WeightCount:
+    """A checkpoint's parameters, and which of them quantization 'fp8' makes e4m3 (as quantize_linears picks
+    them: the decoder's 2-D weights with both dimensions multiples of 16; embeddings and the LM head stay)."""
+
+    params: int
+    fp8_params: int
+    fp8_channels: int  # their output channels: one float32 scale each
+
+    def bytes(self, element_bytes: int, quantization: str = "none") -> int:
+        if quantization == "fp8":
+            return self.fp8_params + 4 * self.fp8_channels + (self.params - self.fp8_params) * element_bytes
+        return self.params * element_bytes
+
+
+def count_weights(model_dir) -> WeightCount:
+    """Counted from the safetensors files' headers (shapes only: nothing is read or loaded)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from .fp8 import SKIP_NAMES
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    params = fp8 = channels = 0
+    for path in files:
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                params += n
+                module = name.rsplit(".", 1)[0]
+                if (len(shape) == 2 and name.endswith(".weight") and "embed" not in module
+                        and module.rsplit(".", 1)[-1] not in SKIP_NAMES and not shape[0] % 16 and not shape[1] % 16):
+                    fp8 += n
+                    channels += shape[0]
+    return WeightCount(params, fp8, channels)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One hf variant's GPU memory per rank, as its engine would size it (no GPU needed)."""
+
+    weights_bytes: int
+    kv_bytes: int
+    kv_what: str
+    budget_bytes: int  # gpu_memory_utilization x the GPU, for weights and KV cache together
+    error: str | None  # the engine's own KVCacheTooLargeError message, if it would refuse to start
+
+
+def plan_hf(options, config, weights: WeightCount, gpu_bytes: int, tensor_parallel_size: int = 1) -> MemoryPlan:
+    """What an hf engine with ``options`` (HFEngineOptions) would hold on each of ``tensor_parallel_size`` GPUs
+    of ``gpu_bytes``, and whether its start-up check would pass. The CUDA context (~0.5 GB) and any other
+    process on the GPU are not counted; the check at start counts them. Under tensor parallelism the weights
+    are taken as split evenly over the ranks (a rank that keeps a whole embedding holds more)."""
+    dtype = options.dtype if options.dtype != "auto" else "bfloat16"
+    element_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tp = tensor_parallel_size
+    weights_bytes = weights.bytes(element_bytes, options.quantization) // tp
+    layout = KVLayout.of(cfg, element_bytes, tp)
+    allowed = int(options.gpu_memory_utilization * gpu_bytes)
+    budget = Budget(allowed - weights_bytes,
+                    f"left of gpu_memory_utilization {options.gpu_memory_utilization:g} x {gpu_bytes / GB:.1f} GB "
+                    f"after {weights_bytes / GB:.2f} GB of weights",
+                    knob="gpu_memory_utilization" if options.gpu_memory_utilization < 1 else "")
+    model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+    max_len = min(options.max_model_len or model_len, model_len, options.max_kv_tokens)
+    error = None
+    if options.resolved_kv_cache("cuda") == "static":
+        spare = 1 if options.cuda_graphs and options.compile_decode else 0
+        what = f"static {options.max_num_seqs} x {max_len + spare}"
+        kv_bytes = layout.bytes_per_token * options.max_num_seqs * (max_len + spare)
+        try:
+            check_static(layout, options.max_num_seqs, max_len + spare, budget, spare)
+        except KVCacheTooLargeError as e:
+            error = str(e)
+    else:
+        what = f"dynamic <= {options.max_kv_tokens}"
+        kv_bytes = layout.bytes_per_token * options.max_kv_tokens
+        try:
+            check_tokens(layout, options.max_kv_tokens, budget)
+        except KVCacheTooLargeError as e:
+            error = str(e)
+    return MemoryPlan(weights_bytes, kv_bytes, what, allowed, error)
