@@ -161,6 +161,8 @@ async def run(args) -> dict:
             json.dumps(results, indent=2))
 
     slots = getattr(engine, "_slots", None)  # None in a child process: its graphs are measured inline only
+    if engine.warm_up:  # what the weights take on the GPU, and the load's peak before the KV cache
+        results.update(**{k: engine.warm_up.get(k) for k in ("weights_gb", "load_peak_gb", "kv_cache_gb")})
     if slots is None and engine.warm_up:
         results.update(**{k: engine.warm_up.get(k) for k in ("prefill_graphs", "mixed_graphs", "mixed_compile_s",
                                                              "compile_cache")})
@@ -726,7 +728,7 @@ def main() -> None:
           f"graphs in {n('prefill_graph_capture_s'):.1f} s, {n('prefill_graph_gb'):.2f} GB; "
           f"mixed: compile {n('mixed_compile_s'):.1f} s, {n('mixed_graphs')} graphs in "
           f"{n('mixed_graph_capture_s'):.1f} s, {n('mixed_graph_gb'):.2f} GB; "
-          f"KV {n('kv_cache_gb'):.1f} GB)")
+          f"KV {n('kv_cache_gb'):.1f} GB; weights {n('weights_gb'):.2f} GB, load peak {n('load_peak_gb'):.2f} GB)")
     think = think_line(res)
     if think:
         print(think)

@@ -83,6 +83,26 @@ def test_weights_already_over_the_budget_leave_no_setting_to_suggest_but_the_bud
     assert msg.endswith("set a higher gpu_memory_utilization")
 
 
+def test_two_replicas_sharing_a_gpu_at_045_each_both_get_their_share_and_never_more_than_is_free():
+    from serve_app.engines.memory import gpu_budget
+
+    total, weights, ctx = 80 * GiB, 8 * GiB, GiB // 2
+    first = gpu_budget(total - weights - ctx, total, weights, 0.45, "H100")
+    assert first.bytes == int(0.45 * total) - weights and first.knob == "gpu_memory_utilization"
+    # the second starts once the first holds its weights, its whole cache and its CUDA context
+    second = gpu_budget(total - (weights + first.bytes + ctx) - weights - ctx, total, weights, 0.45, "H100")
+    assert second.bytes == first.bytes
+    # beside a process holding 60 GiB it gets only what is free, and is told who holds the rest
+    crowded = gpu_budget(total - 60 * GiB - weights - ctx, total, weights, 0.45, "H100")
+    assert crowded.bytes == total - 60 * GiB - weights - ctx < first.bytes and crowded.knob == ""
+    layout = KVLayout.of(_qwen7b_config(), 2)
+    tokens = first.bytes // layout.bytes_per_token
+    check_tokens(layout, tokens, second)
+    with pytest.raises(KVCacheTooLargeError, match=r"the 12\.35 GB free on H100 \(85\.9 GB; 8\.59 GB held by this "
+                                                   r"engine's weights, 64\.96 GB by other processes"):
+        check_tokens(layout, tokens, crowded)
+
+
 def test_the_cpu_budget_is_the_hosts_available_memory():
     import torch
 
@@ -142,6 +162,9 @@ async def test_an_engine_whose_cache_fits_holds_what_it_checked_and_what_the_off
         held = {p.data_ptr(): p.numel() * p.element_size() for p in eng.model.parameters()}
         assert plan.weights_bytes == sum(held.values())
         assert plan.error is None
+        # what the engine reports of its weights: the parameters plus its few buffers (the rotary frequencies)
+        assert eng.warm_up["weights_gb"] == pytest.approx(plan.weights_bytes / 1e9, rel=1e-3)
+        assert eng.warm_up["load_peak_gb"] is None  # measured on a GPU only
 
 
 def test_the_plan_counts_fp8_weights_as_the_quantized_model_holds_them(embedded_model_dir):
@@ -187,3 +210,45 @@ def test_config_memory_prints_each_variant_and_fails_where_the_engine_would(tmp_
     path.write_text(yaml.safe_dump(cfg))
     assert main(["config", "memory", str(path), "--gpu-memory-gib", "4"]) == 2
     assert "cannot read the model: no *.safetensors files in" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_the_dynamic_cache_stays_within_max_kv_tokens_with_one_long_answer_beside_short_ones(
+        embedded_model_dir):
+    """Its rows pad to the longest, so one long answer beside short ones holds rows x the long one: admission
+    counts that, not the sum of the rows (which would let two rows of 128 + 180 tokens take 2 x 180)."""
+    from serve_app.engines.base import GenerationRequest, SamplingParams
+    from tests.conftest import started_engine
+
+    async with started_engine("hf", {"device": "cpu", "kv_cache": "dynamic", "max_num_seqs": 8,
+                                     "max_model_len": 256, "max_kv_tokens": 300}) as eng:
+        held = []
+        decode = eng._runner.decode
+
+        def recording(tokens):
+            out = decode(tokens)
+            held.append(eng._runner.batch.mask.numel())  # rows x columns the cache holds now
+            return out
+
+        eng._runner.decode = recording
+        ids = eng.encode_chat([{"role": "user", "content": "Count from one to a hundred."}])
+        assert len(ids) + 150 <= 256
+
+        made = {}
+
+        async def run(rid, max_tokens):
+            made[rid] = 0
+            async for c in eng.generate(GenerationRequest(rid, ids, SamplingParams(
+                    max_tokens=max_tokens, temperature=0, ignore_eos=True))):
+                made[rid] += len(c.token_ids)
+            return made[rid]
+
+        long = asyncio.create_task(run("long", 150))
+        while made.get("long", 0) < 100:  # the short ones arrive once the long row is ~130 tokens wide
+            await asyncio.sleep(0.01)
+        shorts = [asyncio.create_task(run(f"s{i}", 4)) for i in range(3)]
+        assert await long == 150 and await asyncio.gather(*shorts) == [4, 4, 4]
+        # the sum rule runs all three beside the long one (~180 + 3 x ~34 of 300 reserved) in a cache of
+        # 4 rows x ~130+ columns
+        assert max(held) <= 300
+        assert eng.stats().kv_cache_usage == 0.0

@@ -183,6 +183,8 @@ class HFEngine(HFTokenization, Engine):
         self._stats = EngineStats()
         self.load_time_s: float | None = None
         self.kv_cache_bytes = 0  # what the KV cache may take (static: takes), checked against memory at load
+        self.weights_bytes = 0  # parameters and buffers on the device (one rank's engine)
+        self.load_peak_bytes: int | None = None  # GPU: the most torch held while loading, before the KV cache
 
     @classmethod
     def frontend(cls, options: HFEngineOptions) -> HFFrontend:
@@ -261,10 +263,9 @@ class HFEngine(HFTokenization, Engine):
             self._setup_static(device)
         else:
             self._quantize()
-            if self.device.type == "cuda":
-                # the dynamic cache grows with the batch: what max_kv_tokens admits must fit, or a busy moment
-                # runs out of memory with every running request in it (on the CPU memory comes as it is used)
-                self.kv_cache_bytes = check_tokens(self._kv_layout(), opts.max_kv_tokens, self._kv_budget())
+            # the dynamic cache grows with the batch up to what max_kv_tokens admits (rows x the longest): that
+            # must fit, or a busy moment runs out of memory with every running request in it
+            self.kv_cache_bytes = check_tokens(self._kv_layout(), opts.max_kv_tokens, self._kv_budget())
             self._runner = LocalRunner(self.model, self.device, self._pad_id)
         self._warm_up()
         self.load_time_s = time.monotonic() - t0
@@ -295,6 +296,15 @@ class HFEngine(HFTokenization, Engine):
         return KVLayout.of(self.model.config, self.dtype.itemsize)
 
     def _kv_budget(self):
+        """The KV cache's budget, once the weights are in place; records what they take (and, on a GPU, the
+        load's peak: with fp8 it shows the bf16 model never sat on the GPU whole) for the warm-up report."""
+        import torch
+
+        held = {t.data_ptr(): t.numel() * t.element_size()
+                for t in list(self.model.parameters()) + list(self.model.buffers())}
+        self.weights_bytes = sum(held.values())
+        if self.device.type == "cuda":
+            self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device)
         return device_budget(self.device, self.options.gpu_memory_utilization)
 
     def _setup_static(self, device: str) -> None:
@@ -449,7 +459,8 @@ class HFEngine(HFTokenization, Engine):
         """What the start did before ready (on a GPU: minutes of compiling), and whether serving has met a
         prefill shape the compiled pass does not cover; the replica reports it with its stats."""
         out: dict = {"load_s": self.load_time_s, "kv_cache": "static" if self._slots is not None else "dynamic",
-                     "kv_cache_gb": self.kv_cache_bytes / 1e9}
+                     "kv_cache_gb": self.kv_cache_bytes / 1e9, "weights_gb": self.weights_bytes / 1e9,
+                     "load_peak_gb": None if self.load_peak_bytes is None else self.load_peak_bytes / 1e9}
         slots = self._slots
         if slots is not None:
             from .slot_kv import compile_cache_counts
@@ -475,7 +486,8 @@ class HFEngine(HFTokenization, Engine):
         if self._slots is not None:
             used = sum(seq.pos for seq in running)
         else:
-            used = sum(len(seq.req.prompt_token_ids) + seq.n_generated for seq in running)
+            # what the left-padded cache holds: every row as long as the longest
+            used = len(running) * max((len(seq.req.prompt_token_ids) + seq.n_generated for seq in running), default=0)
         return EngineStats(
             num_waiting=len(self._inbox) + len(self._waiting),
             num_running=len(self._running),
@@ -594,9 +606,10 @@ class HFEngine(HFTokenization, Engine):
         if self._hold_prefill():
             return new
         reserved = sum(s.reserved_tokens for s in self._running)
+        widest = max((s.reserved_tokens for s in self._running), default=0)
         longest = 0
         opts = self.options
-        while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), reserved):
+        while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), reserved, widest):
             seq = self._waiting[0]
             n = len(seq.req.prompt_token_ids)
             if new and (len(new) + 1) * max(longest, n) > opts.max_prefill_tokens:
@@ -604,13 +617,21 @@ class HFEngine(HFTokenization, Engine):
             self._waiting.popleft()
             new.append(seq)
             reserved += seq.reserved_tokens
+            widest = max(widest, seq.reserved_tokens)
             longest = max(longest, n)
         return new
 
-    def _room_for(self, seq: _Seq, running: int, reserved: int) -> bool:
-        """A row and KV room for ``seq`` beside ``running`` sequences that reserve ``reserved`` tokens."""
-        return (running < self.options.max_num_seqs
-                and reserved + seq.reserved_tokens <= self.options.max_kv_tokens)
+    def _room_for(self, seq: _Seq, running: int, reserved: int, widest: int = 0) -> bool:
+        """A row and KV room for ``seq`` beside ``running`` sequences that reserve ``reserved`` tokens, the most
+        of them ``widest``."""
+        if running >= self.options.max_num_seqs:
+            return False
+        if self._slots is None:
+            # the dynamic cache's rows are left-padded to the longest, so it holds rows x the longest row, which
+            # can be several times the sum (one long answer beside short ones); counting that keeps the cache
+            # within max_kv_tokens, the figure checked against memory at start
+            return (running + 1) * max(widest, seq.reserved_tokens) <= self.options.max_kv_tokens
+        return reserved + seq.reserved_tokens <= self.options.max_kv_tokens
 
     def _iteration(self) -> None:
         if self._slots is not None:

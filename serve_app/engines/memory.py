@@ -7,10 +7,11 @@ allocation succeeds lazily and the kernel kills the process once the pages
 are touched. vLLM refuses such a configuration at start and names the sizes;
 so does this, and it says what would fit.
 
-The budget is vLLM's ``gpu_memory_utilization``: the weights and the KV cache
-may take that fraction of the GPU's memory, and what is in use when the check
-runs (the weights, already loaded and quantized, and any other process on the
-GPU) counts against it. The rest is left for activations, CUDA graphs and the
+The budget is vLLM's ``gpu_memory_utilization``, per engine as vLLM counts it:
+this engine's weights (already loaded and quantized) and its KV cache may take
+that fraction of the GPU's memory, so two replicas sharing a GPU at 0.45 each
+both start; and the cache never gets more than the GPU has free, whoever holds
+the rest. What the fraction leaves is for activations, CUDA graphs and the
 compiler's workspace; unlike vLLM this does not profile a forward pass to
 measure them. On the CPU the budget is the host memory the kernel reports
 available (``MemAvailable``) at the moment of the check.
@@ -103,6 +104,20 @@ def _message(what: str, budget: Budget, fixes: list[str]) -> str:
     return f"{what}: {where}{todo}"
 
 
+def gpu_budget(free_bytes: int, total_bytes: int, own_bytes: int, gpu_memory_utilization: float,
+               gpu: str = "the GPU") -> Budget:
+    """The KV cache's budget on a GPU of ``total_bytes`` with ``free_bytes`` free, where this engine already
+    holds ``own_bytes`` (its weights): its share under gpu_memory_utilization, and no more than is free."""
+    share = int(gpu_memory_utilization * total_bytes) - own_bytes
+    if free_bytes < share:
+        others = total_bytes - free_bytes - own_bytes
+        return Budget(free_bytes, f"free on {gpu} ({total_bytes / GB:.1f} GB; {own_bytes / GB:.2f} GB held by this "
+                                  f"engine's weights, {others / GB:.2f} GB by other processes and the CUDA context)")
+    return Budget(share, f"left of gpu_memory_utilization {gpu_memory_utilization:g} x {total_bytes / GB:.1f} GB "
+                         f"on {gpu} after this engine's {own_bytes / GB:.2f} GB of weights",
+                  knob="gpu_memory_utilization" if gpu_memory_utilization < 1 else "")
+
+
 def device_budget(device, gpu_memory_utilization: float) -> Budget:
     """The KV cache's budget on ``device`` now (a torch.device), after the weights are in place."""
     if device.type == "cuda":
@@ -112,13 +127,8 @@ def device_budget(device, gpu_memory_utilization: float) -> Budget:
         # ones: 8.5 GB for the 7B) count as used in mem_get_info until they go back to the driver
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        in_use = total - free
-        allowed = int(gpu_memory_utilization * total)
-        return Budget(
-            allowed - in_use,
-            f"left of gpu_memory_utilization {gpu_memory_utilization:g} x {total / GB:.1f} GB on "
-            f"{torch.cuda.get_device_name(device)} with {in_use / GB:.2f} GB in use (weights and other processes)",
-            knob="gpu_memory_utilization" if gpu_memory_utilization < 1 else "")
+        return gpu_budget(free, total, torch.cuda.memory_allocated(device), gpu_memory_utilization,
+                          torch.cuda.get_device_name(device))
     return Budget(host_available_bytes(), "of host memory available")
 
 
@@ -203,10 +213,7 @@ def plan_hf(options, config, weights: WeightCount, gpu_bytes: int, tensor_parall
     weights_bytes = weights.bytes(element_bytes, options.quantization) // tp
     layout = KVLayout.of(cfg, element_bytes, tp)
     allowed = int(options.gpu_memory_utilization * gpu_bytes)
-    budget = Budget(allowed - weights_bytes,
-                    f"left of gpu_memory_utilization {options.gpu_memory_utilization:g} x {gpu_bytes / GB:.1f} GB "
-                    f"after {weights_bytes / GB:.2f} GB of weights",
-                    knob="gpu_memory_utilization" if options.gpu_memory_utilization < 1 else "")
+    budget = gpu_budget(gpu_bytes - weights_bytes, gpu_bytes, weights_bytes, options.gpu_memory_utilization)
     model_len = int(getattr(cfg, "max_position_embeddings", 2048))
     max_len = min(options.max_model_len or model_len, model_len, options.max_kv_tokens)
     error = None

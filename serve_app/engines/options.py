@@ -62,12 +62,15 @@ class HFEngineOptions(StrictModel):
         65_536,
         ge=64,
         description="KV-cache token budget. A request is scheduled only when its prompt "
-        "plus max_tokens fits in what is left, so the cache never outgrows it.",
+        "plus max_tokens fits in what is left, so the cache never outgrows it; the dynamic cache counts "
+        "its rows x the longest row's prompt plus max_tokens, since its rows pad to the longest. Checked "
+        "against memory at start (gpu_memory_utilization).",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0,
-        description="Fraction of the GPU's memory the weights and the KV cache may take together (vLLM's "
-        "setting); the rest is left for activations, CUDA graphs and compiling. Checked at start, before the "
+        description="Fraction of the GPU's memory this engine's weights and KV cache may take together (vLLM's "
+        "setting, per engine: two replicas sharing a GPU take 0.45 each), and never more than is free; the "
+        "rest is left for activations, CUDA graphs and compiling. Checked at start, before the "
         "cache is allocated: a KV cache that does not fit fails the replica with the sizes and the "
         "max_model_len / max_num_seqs that would fit. On the CPU the cache is checked against the host's "
         "available memory instead.",

@@ -294,7 +294,7 @@ class SeparateProcessEngine(Engine):
         elif kind == "failed":
             if not self._ready_fut.done():
                 # the engine's own error where it has one (a KV cache too large, a GPU without FP8), so the
-                # replica fails with the same type as an engine in its own process would
+                # replica fails with the same type as with the engine inside its own process
                 err = msg[1] if isinstance(msg[1], SeekserveError) else EngineError(
                     f"the engine process failed to start: {msg[1]}")
                 self._ready_fut.set_exception(err)
