@@ -252,3 +252,24 @@ async def test_the_dynamic_cache_stays_within_max_kv_tokens_with_one_long_answer
         # 4 rows x ~130+ columns
         assert max(held) <= 300
         assert eng.stats().kv_cache_usage == 0.0
+
+
+def test_the_padded_peak_is_what_a_step_by_step_left_padded_cache_reaches():
+    import random
+
+    from serve_app.engines.memory import padded_peak_tokens
+
+    def simulated(rows):
+        peak = 0
+        for s in range(max(r for _, r in rows) + 1):
+            there = [(c, r) for c, r in rows if r >= s]
+            peak = max(peak, len(there) * max(c + s for c, _ in there))
+        return peak
+
+    rng = random.Random(7)
+    for _ in range(500):
+        rows = [(rng.randint(1, 300), rng.randint(0, 300)) for _ in range(rng.randint(1, 12))]
+        assert padded_peak_tokens(rows) == simulated(rows), rows
+    # short rows beside a long one: the peak is the long one's, alone, not rows x its reservation
+    assert padded_peak_tokens([(30, 400)] + [(30, 20)] * 7) == max(8 * 50, 430)
+    assert padded_peak_tokens([]) == 0

@@ -40,7 +40,7 @@ from serve_app.errors import (
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ends_stream, handout_order
 from .hf_batch import LocalRunner, resolve_device_dtype
 from .launch_timing import GapMeter, PassTimer, PassTimes, launch_wait_s, pass_label
-from .memory import KVLayout, check_static, check_tokens, device_budget
+from .memory import KVLayout, check_static, check_tokens, device_budget, padded_peak_tokens
 from .options import HFEngineOptions
 from .prefill_policy import PrefillContext, hold_prefill
 from .textproc import IncrementalDetokenizer, StopStringFilter
@@ -606,10 +606,10 @@ class HFEngine(HFTokenization, Engine):
         if self._hold_prefill():
             return new
         reserved = sum(s.reserved_tokens for s in self._running)
-        widest = max((s.reserved_tokens for s in self._running), default=0)
+        rows = self._kv_rows(self._running)
         longest = 0
         opts = self.options
-        while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), reserved, widest):
+        while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), reserved, rows):
             seq = self._waiting[0]
             n = len(seq.req.prompt_token_ids)
             if new and (len(new) + 1) * max(longest, n) > opts.max_prefill_tokens:
@@ -617,20 +617,30 @@ class HFEngine(HFTokenization, Engine):
             self._waiting.popleft()
             new.append(seq)
             reserved += seq.reserved_tokens
-            widest = max(widest, seq.reserved_tokens)
+            rows += self._kv_rows([seq])
             longest = max(longest, n)
         return new
 
-    def _room_for(self, seq: _Seq, running: int, reserved: int, widest: int = 0) -> bool:
-        """A row and KV room for ``seq`` beside ``running`` sequences that reserve ``reserved`` tokens, the most
-        of them ``widest``."""
+    @staticmethod
+    def _kv_rows(seqs) -> list[tuple[int, int]]:
+        """(tokens cached, tokens still to come at most) of each sequence's row in the dynamic cache."""
+        out = []
+        for s in seqs:
+            cached = len(s.req.prompt_token_ids) + s.n_generated
+            out.append((cached, max(0, s.reserved_tokens - cached)))
+        return out
+
+    def _room_for(self, seq: _Seq, running: int, reserved: int, rows: list[tuple[int, int]] | None = None) -> bool:
+        """A row and KV room for ``seq`` beside ``running`` sequences that reserve ``reserved`` tokens (the
+        dynamic cache: whose rows are ``rows``, as _kv_rows gives them)."""
         if running >= self.options.max_num_seqs:
             return False
         if self._slots is None:
             # the dynamic cache's rows are left-padded to the longest, so it holds rows x the longest row, which
-            # can be several times the sum (one long answer beside short ones); counting that keeps the cache
-            # within max_kv_tokens, the figure checked against memory at start
-            return (running + 1) * max(widest, seq.reserved_tokens) <= self.options.max_kv_tokens
+            # can exceed the rows' sum several times (short rows joining a long one late); the peak it can reach
+            # keeps it within max_kv_tokens, the figure checked against memory at start
+            rows = self._kv_rows(self._running) if rows is None else rows
+            return padded_peak_tokens(rows + self._kv_rows([seq])) <= self.options.max_kv_tokens
         return reserved + seq.reserved_tokens <= self.options.max_kv_tokens
 
     def _iteration(self) -> None:

@@ -233,3 +233,22 @@ def plan_hf(options, config, weights: WeightCount, gpu_bytes: int, tensor_parall
         except KVCacheTooLargeError as e:
             error = str(e)
     return MemoryPlan(weights_bytes, kv_bytes, what, allowed, error)
+
+
+def padded_peak_tokens(rows: list[tuple[int, int]]) -> int:
+    """The most tokens a left-padded cache (rows x the longest row, as the dynamic cache holds them) will hold
+    from now on, for rows given as (tokens cached now, tokens still to come at most), if each runs to its end.
+
+    Why not rows x the longest reservation: a short answer beside a long one leaves long before the long one
+    is long, so that bound keeps short requests waiting for memory they would never take (in
+    benchmarks/kv_admission.py, 5x the TTFT of the rows' sum for the same peak). All rows grow one token a
+    step, so after s steps the rows still there are those with at least s to come and the cache is as wide
+    as the longest of them; the peak is at one of the steps where a row has just its last token left."""
+    order = sorted(rows, key=lambda row: -row[1])
+    peak = longest = 0
+    for k, (cached, to_come) in enumerate(order):
+        longest = max(longest, cached)
+        # rows 0..k all still run after ``to_come`` steps; a tie is counted once, with the whole group
+        if k + 1 == len(order) or order[k + 1][1] < to_come:
+            peak = max(peak, (k + 1) * (longest + to_come))
+    return peak
