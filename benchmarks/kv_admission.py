@@ -49,12 +49,14 @@ async def run_rule(rule: str, args) -> dict:
     try:
         opts = eng.options
         if rule == "sum":
-            def room_for_sum(seq, running, reserved, rows=None):
+            def room_for_sum(seq, running, rows=None):
+                rows = eng._kv_rows(eng._running) if rows is None else rows
+                reserved = sum(c + r for c, r in rows)
                 return running < opts.max_num_seqs and reserved + seq.reserved_tokens <= opts.max_kv_tokens
 
             eng._room_for = room_for_sum
         elif rule == "longest":
-            def room_for_longest(seq, running, reserved, rows=None):
+            def room_for_longest(seq, running, rows=None):
                 rows = eng._kv_rows(eng._running) if rows is None else rows
                 widest = max([seq.reserved_tokens] + [c + r for c, r in rows])
                 return running < opts.max_num_seqs and (running + 1) * widest <= opts.max_kv_tokens

@@ -273,3 +273,31 @@ def test_the_padded_peak_is_what_a_step_by_step_left_padded_cache_reaches():
     # short rows beside a long one: the peak is the long one's, alone, not rows x its reservation
     assert padded_peak_tokens([(30, 400)] + [(30, 20)] * 7) == max(8 * 50, 430)
     assert padded_peak_tokens([]) == 0
+
+
+@pytest.mark.asyncio
+async def test_static_slots_take_every_request_that_fits_a_slot_whatever_max_kv_tokens_says(embedded_model_dir):
+    """The static cache's memory is all allocated (and checked) at start, a slot per sequence: four requests of
+    ~190 tokens each run together in four slots though their sum is over max_kv_tokens (the sum rule ran them
+    one at a time), and the usage reported is of the slots."""
+    from serve_app.engines.base import GenerationRequest, SamplingParams
+    from tests.conftest import started_engine
+
+    async with started_engine("hf", {"device": "cpu", "kv_cache": "static", "max_num_seqs": 4,
+                                     "max_model_len": 256, "max_kv_tokens": 300}) as eng:
+        ids = eng.encode_chat([{"role": "user", "content": "Count from one to a hundred."}])
+        seen = []
+
+        async def run(rid):
+            n = 0
+            async for c in eng.generate(GenerationRequest(rid, ids, SamplingParams(
+                    max_tokens=150, temperature=0, ignore_eos=True))):
+                n += len(c.token_ids)
+                s = eng.stats()
+                seen.append((s.num_running, s.kv_cache_usage))
+            return n
+
+        assert await asyncio.gather(*(run(f"r{i}") for i in range(4))) == [150] * 4
+        assert max(r for r, _ in seen) == 4
+        # four rows of up to ~185 tokens in 4 x 256 slots
+        assert 0.5 < max(u for _, u in seen) <= (len(ids) + 150) / 256

@@ -480,6 +480,13 @@ class HFEngine(HFTokenization, Engine):
                        compile_cache=compile_cache_counts())
         return out
 
+    @property
+    def _kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache may hold: the static slots', all allocated, or max_kv_tokens for the dynamic one."""
+        if self._slots is not None:
+            return self._slots.num_slots * self._slots.max_len
+        return self.options.max_kv_tokens
+
     def stats(self) -> EngineStats:
         s = self._stats
         running = list(self._running)
@@ -491,7 +498,7 @@ class HFEngine(HFTokenization, Engine):
         return EngineStats(
             num_waiting=len(self._inbox) + len(self._waiting),
             num_running=len(self._running),
-            kv_cache_usage=min(1.0, used / self.options.max_kv_tokens),
+            kv_cache_usage=min(1.0, used / self._kv_capacity_tokens),
             forward_passes=s.forward_passes,
             prefill_passes=s.prefill_passes,
             prefill_graph_passes=self._slots.prefill_graph_passes if self._slots is not None else 0,
@@ -605,18 +612,16 @@ class HFEngine(HFTokenization, Engine):
         new: list[_Seq] = []
         if self._hold_prefill():
             return new
-        reserved = sum(s.reserved_tokens for s in self._running)
-        rows = self._kv_rows(self._running)
+        rows = self._kv_rows(self._running) if self._slots is None else []
         longest = 0
         opts = self.options
-        while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), reserved, rows):
+        while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), rows):
             seq = self._waiting[0]
             n = len(seq.req.prompt_token_ids)
             if new and (len(new) + 1) * max(longest, n) > opts.max_prefill_tokens:
                 break
             self._waiting.popleft()
             new.append(seq)
-            reserved += seq.reserved_tokens
             rows += self._kv_rows([seq])
             longest = max(longest, n)
         return new
@@ -630,9 +635,9 @@ class HFEngine(HFTokenization, Engine):
             out.append((cached, max(0, s.reserved_tokens - cached)))
         return out
 
-    def _room_for(self, seq: _Seq, running: int, reserved: int, rows: list[tuple[int, int]] | None = None) -> bool:
-        """A row and KV room for ``seq`` beside ``running`` sequences that reserve ``reserved`` tokens (the
-        dynamic cache: whose rows are ``rows``, as _kv_rows gives them)."""
+    def _room_for(self, seq: _Seq, running: int, rows: list[tuple[int, int]] | None = None) -> bool:
+        """A row and KV room for ``seq`` beside ``running`` sequences (the dynamic cache: whose rows are
+        ``rows``, as _kv_rows gives them)."""
         if running >= self.options.max_num_seqs:
             return False
         if self._slots is None:
@@ -641,7 +646,9 @@ class HFEngine(HFTokenization, Engine):
             # keeps it within max_kv_tokens, the figure checked against memory at start
             rows = self._kv_rows(self._running) if rows is None else rows
             return padded_peak_tokens(rows + self._kv_rows([seq])) <= self.options.max_kv_tokens
-        return reserved + seq.reserved_tokens <= self.options.max_kv_tokens
+        # a static slot holds max_model_len tokens, allocated and checked at start, and the request was refused
+        # unless its prompt + max_tokens fit one: a free row is all it needs
+        return True
 
     def _iteration(self) -> None:
         if self._slots is not None:
@@ -712,7 +719,7 @@ class HFEngine(HFTokenization, Engine):
         busy = self._decoding()
         if n <= chunk or not busy or not all(s.fast_sampling for s in busy):
             return False
-        if not self._room_for(seq, len(self._running), sum(s.reserved_tokens for s in self._running)):
+        if not self._room_for(seq, len(self._running)):
             return False
         rows, longest = self._rows_and_span(busy)
         # the first chunk's pass and the later chunks' (captured for the chunk size the engine started with)

@@ -61,10 +61,11 @@ class HFEngineOptions(StrictModel):
     max_kv_tokens: int = Field(
         65_536,
         ge=64,
-        description="KV-cache token budget. A request is scheduled only when its prompt "
-        "plus max_tokens fits in what is left, so the cache never outgrows it; the dynamic cache counts "
-        "its rows x the longest row's prompt plus max_tokens, since its rows pad to the longest. Checked "
-        "against memory at start (gpu_memory_utilization).",
+        description="The dynamic KV cache's token budget: a request is scheduled only while the most the "
+        "cache can then reach (its rows pad to the longest, so rows x the longest, every row run to its "
+        "max_tokens) stays within it, so the cache never outgrows it. Checked against memory at start "
+        "(gpu_memory_utilization). The static cache holds max_num_seqs x max_model_len tokens, allocated at "
+        "start; this only caps max_model_len there.",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0,
