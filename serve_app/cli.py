@@ -30,6 +30,16 @@ def cmd_config_validate(args) -> int:
     return 0
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from e
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0; got {text}")
+    return value
+
+
 def cmd_config_memory(args) -> int:
     """Each hf variant's weights and KV cache per GPU against ``--gpu-memory-gib``, and whether its engine's
     start-up check would pass; exit 1 if any would not."""
@@ -287,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_config_validate)
     m = csub.add_parser("memory", help="each hf variant's weights and KV cache per GPU, and whether they fit")
     m.add_argument("config")
-    m.add_argument("--gpu-memory-gib", type=float, required=True,
+    m.add_argument("--gpu-memory-gib", type=_positive_float, required=True,
                    help="memory of one GPU in GiB, nvidia-smi's total MiB / 1024 (an H100 80GB: 79.6)")
     m.set_defaults(func=cmd_config_memory)
     return p

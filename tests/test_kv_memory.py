@@ -203,6 +203,10 @@ def test_config_memory_prints_each_variant_and_fails_where_the_engine_would(tmp_
     path = tmp_path / "fixed.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["config", "memory", str(path), "--gpu-memory-gib", "4"]) == 0
+    # no GPU size: argparse's usage error, exit 2
+    with pytest.raises(SystemExit) as e:
+        main(["config", "memory", str(path), "--gpu-memory-gib", "0"])
+    assert e.value.code == 2 and "must be above 0" in capsys.readouterr().err
     # a model directory without weights: a clear error, exit 2
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text((embedded_model_dir / "config.json").read_text())
