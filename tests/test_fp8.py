@@ -40,6 +40,19 @@ def test_weight_scales_are_per_output_channel_and_round_trip_within_e4m3_precisi
     assert ((back - w).abs()[big] <= w.abs()[big] / 16 + 1e-12).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_converted_in_chunks_is_the_weight_converted_whole(dtype):
+    torch.manual_seed(3)
+    w = (torch.randn(70, 48) * torch.logspace(-2, 2, 70)[:, None]).to(dtype)
+    whole_w = w.float()
+    whole_scale = (whole_w.abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
+    whole_q = (whole_w / whole_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    for chunk in (1, 48 * 16, 48 * 64, 1 << 24):  # a row at a time, 16 rows, 64 rows, all at once
+        q, scale = quantize_weight(w, chunk_elements=chunk)
+        assert torch.equal(scale[0], whole_scale)
+        assert torch.equal(q.view(torch.uint8), whole_q.view(torch.uint8)), chunk
+
+
 def test_a_zero_row_quantizes_to_zeros_not_nans():
     x = torch.zeros(3, 32)
     x[1] = torch.linspace(-2, 2, 32)

@@ -50,14 +50,21 @@ class FP8UnsupportedError(RuntimeError):
     """This device cannot run FP8 GEMMs (``torch._scaled_mm`` with row-wise scales)."""
 
 
-def quantize_weight(weight):
+def quantize_weight(weight, chunk_elements: int = 1 << 24):
     """(e4m3 weight [N, K], float32 scales [1, N]): one scale per output channel, so that channel's largest
-    magnitude maps to E4M3_MAX."""
+    magnitude maps to E4M3_MAX. Converted about ``chunk_elements`` at a time (whole channels): the float32
+    copies of a whole weight (two of them, 1.1 GB for the 7B's fused gate/up) would be most of the GPU's peak
+    while an fp8 model loads layer by layer; a chunk's are 2 x 67 MB. The same numbers either way (a max is
+    exact in any precision, and each element's conversion is the same)."""
     import torch
 
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp(min=_MIN_SCALE)
-    q = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    w = weight.detach()
+    scale = (w.abs().amax(dim=1).float() / E4M3_MAX).clamp(min=_MIN_SCALE)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    step = max(1, chunk_elements // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        rows = slice(start, start + step)
+        q[rows] = (w[rows].float() / scale[rows, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale[None, :].contiguous()
 
 
