@@ -56,9 +56,12 @@ def render(rows: list[VariantStatus]) -> str:
         e = r.engine
         if e:
             gpu = e.get("gpu_util_pct")
+            w = e.get("warm_up") or {}
+            kv_gb = f" of {w['kv_cache_gb']:.2f} GB" if w.get("kv_cache_gb") else ""
+            weights = f", weights {w['weights_gb']:.2f} GB" if w.get("weights_gb") else ""
             lines.append(
                 f"    queue {e.get('num_waiting', '?')} waiting / {e.get('num_running', '?')} running, "
-                f"KV {100 * float(e.get('kv_cache_usage', 0)):.0f}%, GPU "
+                f"KV {100 * float(e.get('kv_cache_usage', 0)):.0f}%{kv_gb}{weights}, GPU "
                 + ("n/a" if gpu is None else f"{gpu:.0f}%")
             )
         a = r.autoscaler

@@ -305,3 +305,17 @@ async def test_static_slots_take_every_request_that_fits_a_slot_whatever_max_kv_
         assert max(r for r, _ in seen) == 4
         # four rows of up to ~185 tokens in 4 x 256 slots
         assert 0.5 < max(u for _, u in seen) <= (len(ids) + 150) / 256
+
+
+def test_status_shows_what_the_cache_and_the_weights_take_where_the_engine_reports_them():
+    from serve_app.status import VariantStatus, render
+
+    def row(engine):
+        return VariantStatus("app", "LLMServer-m-stable", "HEALTHY", "", {"RUNNING": 1}, None, engine)
+
+    shown = render([row({"num_waiting": 0, "num_running": 3, "kv_cache_usage": 0.25, "gpu_util_pct": None,
+                         "warm_up": {"kv_cache_gb": 7.52, "weights_gb": 15.23}})])
+    assert "KV 25% of 7.52 GB, weights 15.23 GB, GPU n/a" in shown
+    # an engine without them (null, trtllm) shows what it did before
+    assert "KV 0%, GPU 41%" in render([row({"num_waiting": 0, "num_running": 0, "gpu_util_pct": 41.0})])
+
