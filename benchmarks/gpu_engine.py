@@ -161,11 +161,12 @@ async def run(args) -> dict:
             json.dumps(results, indent=2))
 
     slots = getattr(engine, "_slots", None)  # None in a child process: its graphs are measured inline only
-    if engine.warm_up:  # what the weights take on the GPU, and the load's peak before the KV cache
-        results.update(**{k: engine.warm_up.get(k) for k in ("weights_gb", "load_peak_gb", "kv_cache_gb")})
-    if slots is None and engine.warm_up:
-        results.update(**{k: engine.warm_up.get(k) for k in ("prefill_graphs", "mixed_graphs", "mixed_compile_s",
-                                                             "compile_cache")})
+    warm = engine.warm_up or {}
+    # what the weights take on the GPU, and the load's peak before the KV cache
+    results.update(**{k: warm.get(k) for k in ("weights_gb", "load_peak_gb", "kv_cache_gb") if k in warm})
+    if slots is None and warm:
+        results.update(**{k: warm.get(k) for k in ("prefill_graphs", "mixed_graphs", "mixed_compile_s",
+                                                   "compile_cache")})
     if slots is not None:
         # the one-prompt prefill graphs as the replica reports them (its warm_up)
         w = engine.warm_up

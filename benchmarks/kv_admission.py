@@ -40,6 +40,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 async def run_rule(rule: str, args) -> dict:
     from serve_app.engines.base import GenerationRequest, SamplingParams
+    from serve_app.engines.memory import KVLayout
     from serve_app.engines.registry import create_engine
 
     eng = create_engine("hf", {"device": "cpu", "kv_cache": "dynamic", "max_num_seqs": args.max_num_seqs,
@@ -50,14 +51,12 @@ async def run_rule(rule: str, args) -> dict:
         opts = eng.options
         if rule == "sum":
             def room_for_sum(seq, running, rows=None):
-                rows = eng._kv_rows(eng._running) if rows is None else rows
                 reserved = sum(c + r for c, r in rows)
                 return running < opts.max_num_seqs and reserved + seq.reserved_tokens <= opts.max_kv_tokens
 
             eng._room_for = room_for_sum
         elif rule == "longest":
             def room_for_longest(seq, running, rows=None):
-                rows = eng._kv_rows(eng._running) if rows is None else rows
                 widest = max([seq.reserved_tokens] + [c + r for c, r in rows])
                 return running < opts.max_num_seqs and (running + 1) * widest <= opts.max_kv_tokens
 
@@ -97,8 +96,7 @@ async def run_rule(rule: str, args) -> dict:
         longs = await asyncio.gather(*tasks)
         short_res = await asyncio.gather(*shorts)
         wall = time.perf_counter() - t0
-        per_token = 2 * eng.model.config.num_hidden_layers * eng.model.config.num_key_value_heads * (
-            eng.model.config.hidden_size // eng.model.config.num_attention_heads) * eng.dtype.itemsize
+        per_token = KVLayout.of(eng.model.config, eng.dtype.itemsize).bytes_per_token
         tokens = sum(r["tokens"] for r in longs + short_res)
         return {
             "rule": rule, "wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,

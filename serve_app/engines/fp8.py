@@ -46,6 +46,12 @@ SCALES = ("gemm", "epilogue")
 SKIP_NAMES = frozenset({"lm_head"})
 
 
+def quantizable(name: str, out_features: int, in_features: int) -> bool:
+    """Whether quantize_linears makes a linear layer of this attribute name and shape e4m3 (count_weights
+    counts the same layers from a checkpoint's shapes)."""
+    return name not in SKIP_NAMES and not out_features % _DIM_MULTIPLE and not in_features % _DIM_MULTIPLE
+
+
 class FP8UnsupportedError(RuntimeError):
     """This device cannot run FP8 GEMMs (``torch._scaled_mm`` with row-wise scales)."""
 
@@ -166,7 +172,7 @@ def quantize_linears(model, out_dtype, scales: str = "gemm", device=None) -> int
     replaced = kept = 0
     for parent, name in targets:
         linear = getattr(parent, name)
-        if linear.in_features % _DIM_MULTIPLE or linear.out_features % _DIM_MULTIPLE:
+        if not quantizable(name, linear.out_features, linear.in_features):
             kept += 1
         else:
             if device is not None:

@@ -494,7 +494,7 @@ class HFEngine(HFTokenization, Engine):
             used = sum(seq.pos for seq in running)
         else:
             # what the left-padded cache holds: every row as long as the longest
-            used = len(running) * max((len(seq.req.prompt_token_ids) + seq.n_generated for seq in running), default=0)
+            used = len(running) * max((cached for cached, _ in self._kv_rows(running)), default=0)
         return EngineStats(
             num_waiting=len(self._inbox) + len(self._waiting),
             num_running=len(self._running),
@@ -612,7 +612,7 @@ class HFEngine(HFTokenization, Engine):
         new: list[_Seq] = []
         if self._hold_prefill():
             return new
-        rows = self._kv_rows(self._running) if self._slots is None else []
+        rows = self._kv_rows(self._running) if self._slots is None else None
         longest = 0
         opts = self.options
         while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), rows):
@@ -622,7 +622,8 @@ class HFEngine(HFTokenization, Engine):
                 break
             self._waiting.popleft()
             new.append(seq)
-            rows += self._kv_rows([seq])
+            if rows is not None:
+                rows += self._kv_rows([seq])
             longest = max(longest, n)
         return new
 
@@ -636,15 +637,14 @@ class HFEngine(HFTokenization, Engine):
         return out
 
     def _room_for(self, seq: _Seq, running: int, rows: list[tuple[int, int]] | None = None) -> bool:
-        """A row and KV room for ``seq`` beside ``running`` sequences (the dynamic cache: whose rows are
-        ``rows``, as _kv_rows gives them)."""
+        """A row and KV room for ``seq`` beside ``running`` sequences; ``rows``: the dynamic cache's rows, as
+        _kv_rows gives them (None for the static slots)."""
         if running >= self.options.max_num_seqs:
             return False
-        if self._slots is None:
+        if rows is not None:
             # the dynamic cache's rows are left-padded to the longest, so it holds rows x the longest row, which
             # can exceed the rows' sum several times (short rows joining a long one late); the peak it can reach
             # keeps it within max_kv_tokens, the figure checked against memory at start
-            rows = self._kv_rows(self._running) if rows is None else rows
             return padded_peak_tokens(rows + self._kv_rows([seq])) <= self.options.max_kv_tokens
         # a static slot holds max_model_len tokens, allocated and checked at start, and the request was refused
         # unless its prompt + max_tokens fit one: a free row is all it needs

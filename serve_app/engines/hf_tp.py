@@ -61,11 +61,12 @@ class TensorParallelShard:
         model.eval()
         from .memory import KVLayout, check_tokens, device_budget
 
+        local = torch.device(device if device == "cpu" else "cuda:0")
         # this rank's share of the heads of every token max_kv_tokens admits (see HFEngine._load)
         check_tokens(KVLayout.of(model.config, model.dtype.itemsize, world_size), opts.max_kv_tokens,
-                     device_budget(torch.device("cpu" if device == "cpu" else "cuda:0"), opts.gpu_memory_utilization))
+                     device_budget(local, opts.gpu_memory_utilization))
         self.rank = rank
-        self.runner = LocalRunner(model, torch.device(device if device == "cpu" else "cuda:0"), pad_id)
+        self.runner = LocalRunner(model, local, pad_id)
         log.info("hf TP shard %d/%d ready on %s/%s", rank, world_size, device, dtype_name)
 
     def _logits(self, t):

@@ -168,7 +168,7 @@ def count_weights(model_dir) -> WeightCount:
 
     from safetensors import safe_open
 
-    from .fp8 import SKIP_NAMES
+    from .fp8 import quantizable
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -183,8 +183,9 @@ def count_weights(model_dir) -> WeightCount:
                     n *= d
                 params += n
                 module = name.rsplit(".", 1)[0]
+                # a 2-D weight that is not an embedding's is a linear layer's
                 if (len(shape) == 2 and name.endswith(".weight") and "embed" not in module
-                        and module.rsplit(".", 1)[-1] not in SKIP_NAMES and not shape[0] % 16 and not shape[1] % 16):
+                        and quantizable(module.rsplit(".", 1)[-1], shape[0], shape[1])):
                     fp8 += n
                     channels += shape[0]
     return WeightCount(params, fp8, channels)
