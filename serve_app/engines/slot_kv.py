@@ -96,13 +96,14 @@ def register_attention() -> None:
 class SlotKVCache:
     """Per-layer ``[slots, kv_heads, max_len, head_dim]`` keys and values."""
 
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype, device):
+    def __init__(self, layout, num_slots: int, max_len: int, dtype, device):
+        """``layout``: memory.KVLayout, the same one the engine checked against its budget before this
+        allocates it, so what is checked is what is allocated."""
         import torch
 
-        shape = (num_slots, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_slots, layout.kv_heads, max_len, layout.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
         self.row_ids = torch.arange(num_slots, device=device)
         self._mode = "decode"
@@ -257,15 +258,16 @@ class SlotDecoder:
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        from .memory import KVLayout
+
         cfg = model.config.get_text_config()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self._heads_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+        layout = KVLayout.of(cfg, dtype.itemsize)
+        self._heads_per_kv = cfg.num_attention_heads // layout.kv_heads
         # compiled: one spare position, so no span is the buffers' full length, and batches of 2 rows at
         # least, so no batch is 1: Inductor would compile each of those cases apart (measured on the 7B:
         # 4 compiles of ~90 s instead of 1). The spare position is never attended to.
         buffer_len = max_len + 1 if compile_step else max_len
-        self.cache = SlotKVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, buffer_len, head_dim,
-                                 dtype, device)
+        self.cache = SlotKVCache(layout, num_slots, buffer_len, dtype, device)
         self.device = device
         self.num_slots, self.max_len = num_slots, max_len
         self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
