@@ -57,7 +57,7 @@ def random_qwen7b(**config):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**QWEN7B, torch_dtype="bfloat16", **config)
+    cfg = Qwen2Config(**{**QWEN7B, **config}, torch_dtype="bfloat16")
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -67,13 +67,15 @@ def random_qwen7b(**config):
     return model.eval()
 
 
-def build_model_dir(path: Path, tokenizer_dir: Path) -> float:
+def build_model_dir(path: Path, tokenizer_dir: Path, **config) -> float:
+    """The random model (``config``: Qwen2Config fields over the 7B's) saved under ``path`` with the tokenizer;
+    seconds it took, 0 if it was there already."""
     import torch
 
     t0 = time.perf_counter()
     if (path / "config.json").exists() and list(path.glob("*.safetensors")):
         return 0.0  # built earlier in this call
-    model = random_qwen7b()
+    model = random_qwen7b(**config)
     with torch.no_grad():
         # the stand-in tokenizer (SmolLM2's) knows fewer ids than Qwen's 152k: zero logits past it keep
         # greedy picks inside its vocabulary, so every token has text and streams (and TTFT) are real
