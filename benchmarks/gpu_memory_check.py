@@ -111,6 +111,7 @@ async def run(args) -> list[dict]:
             load_peak_gb=round(w["load_peak_gb"], 3), kv_counted_gb=round(64 * 2048 * 2 * LAYERS * 4 * 128 * 2 / GB, 3))
         bf16_peak = w["load_peak_gb"]
         await stop(eng)
+        eng = None  # the next start must not find this one still held
 
     # too large: refused before allocating, then the suggested max_model_len starts
     before = torch.cuda.memory_allocated()
@@ -118,6 +119,7 @@ async def run(args) -> list[dict]:
     if eng is not None:
         row("too large: refused", False, error="it started")
         await stop(eng)
+        eng = None  # the next start must not find this one still held
     else:
         fit = suggested(str(err), "max_model_len")
         row("too large: refused", isinstance(err, KVCacheTooLargeError) and fit is not None, message=str(err)[:400])
@@ -139,6 +141,7 @@ async def run(args) -> list[dict]:
                 row("too large: the suggested max_model_len starts", used <= 0.9 + 0.02, max_model_len=fit,
                     kv_cache_gb=round(w["kv_cache_gb"], 2), gpu_used_share=round(used, 3))
                 await stop(eng)
+                eng = None
 
     # crowded: another tensor holds most of the GPU, so the budget is what is free
     hog = torch.empty(int(0.7 * total), dtype=torch.uint8, device="cuda")
@@ -146,6 +149,7 @@ async def run(args) -> list[dict]:
     if eng is not None:
         row("crowded: refused on what is free", False, error="it started")
         await stop(eng)
+        eng = None  # the next start must not find this one still held
     else:
         row("crowded: refused on what is free", isinstance(err, KVCacheTooLargeError) and "free on" in str(err),
             message=str(err)[:400])
@@ -158,6 +162,7 @@ async def run(args) -> list[dict]:
     if eng is not None:
         row("dynamic: max_kv_tokens refused", False, error="it started")
         await stop(eng)
+        eng = None  # the next start must not find this one still held
     else:
         row("dynamic: max_kv_tokens refused", isinstance(err, KVCacheTooLargeError)
             and suggested(str(err), "max_kv_tokens") is not None, message=str(err)[:400])
@@ -174,6 +179,7 @@ async def run(args) -> list[dict]:
                 load_peak_gb=round(w["load_peak_gb"], 3),
                 weights_gb=round(w["weights_gb"], 3), bf16_load_peak_gb=bf16_peak)
             await stop(eng)
+            eng = None
     rows.append({"gpu": torch.cuda.get_device_name(), "total_gb": total / GB, "free_at_start_gb": free0 / GB})
     return rows
 

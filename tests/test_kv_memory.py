@@ -99,8 +99,26 @@ def test_two_replicas_sharing_a_gpu_at_045_each_both_get_their_share_and_never_m
     tokens = first.bytes // layout.bytes_per_token
     check_tokens(layout, tokens, second)
     with pytest.raises(KVCacheTooLargeError, match=r"the 12\.35 GB free on H100 \(85\.9 GB; 8\.59 GB held by this "
-                                                   r"engine's weights, 64\.96 GB by other processes"):
+                                                   r"engine's weights, 64\.96 GB by the rest"):
         check_tokens(layout, tokens, crowded)
+
+
+def test_on_a_gpu_the_share_is_counted_after_this_engines_weights_not_all_the_process_holds(monkeypatch):
+    """An H100 (gpu_memory_check.py, first run) read 9.21 GB "of weights" for a 4.04-GB model while the
+    script still held the last engine: the process's whole allocation had been taken for this engine's.
+    torch.cuda's readings stand in for a GPU here (none on this box); the arithmetic is device_budget's."""
+    import torch
+
+    total, free, held_by_process, weights = 80 * GiB, 70 * GiB, 15 * GiB, 4 * GiB
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held_by_process)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    own = device_budget(torch.device("cuda"), 0.9, own_bytes=weights)
+    assert own.bytes == int(0.9 * total) - weights
+    assert "after this engine's 4.29 GB of weights" in own.source
+    # without the engine's count (a tensor-parallel rank: one engine per process) all the process holds
+    assert device_budget(torch.device("cuda"), 0.9).bytes == int(0.9 * total) - held_by_process
 
 
 def test_the_cpu_budget_is_the_hosts_available_memory():

@@ -112,14 +112,17 @@ def gpu_budget(free_bytes: int, total_bytes: int, own_bytes: int, gpu_memory_uti
     if free_bytes < share:
         others = total_bytes - free_bytes - own_bytes
         return Budget(free_bytes, f"free on {gpu} ({total_bytes / GB:.1f} GB; {own_bytes / GB:.2f} GB held by this "
-                                  f"engine's weights, {others / GB:.2f} GB by other processes and the CUDA context)")
+                                  f"engine's weights, {others / GB:.2f} GB by the rest: other processes or "
+                                  f"engines, the CUDA context)")
     return Budget(share, f"left of gpu_memory_utilization {gpu_memory_utilization:g} x {total_bytes / GB:.1f} GB "
                          f"on {gpu} after this engine's {own_bytes / GB:.2f} GB of weights",
                   knob="gpu_memory_utilization" if gpu_memory_utilization < 1 else "")
 
 
-def device_budget(device, gpu_memory_utilization: float) -> Budget:
-    """The KV cache's budget on ``device`` now (a torch.device), after the weights are in place."""
+def device_budget(device, gpu_memory_utilization: float, own_bytes: int | None = None) -> Budget:
+    """The KV cache's budget on ``device`` now (a torch.device), after the weights are in place.
+    ``own_bytes``: this engine's weights on it; by default all torch holds there (right for a process that
+    holds one engine: a tensor-parallel rank, whose DTensor shards are awkward to count)."""
     if device.type == "cuda":
         import torch
 
@@ -127,8 +130,11 @@ def device_budget(device, gpu_memory_utilization: float) -> Budget:
         # ones: 8.5 GB for the 7B) count as used in mem_get_info until they go back to the driver
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        return gpu_budget(free, total, torch.cuda.memory_allocated(device), gpu_memory_utilization,
-                          torch.cuda.get_device_name(device))
+        # counted as the engine's own weights, not torch's whole allocation: another engine in the same process
+        # (an inline one, a test's) is then what it is, memory taken, not this engine's weights (seen on an H100:
+        # 9.21 GB "of weights" for a 4.04-GB model while the last engine was still held)
+        own = torch.cuda.memory_allocated(device) if own_bytes is None else own_bytes
+        return gpu_budget(free, total, own, gpu_memory_utilization, torch.cuda.get_device_name(device))
     return Budget(host_available_bytes(), "of host memory available")
 
 
