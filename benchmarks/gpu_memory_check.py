@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import re
 import sys
@@ -67,8 +68,6 @@ async def start(opts: dict):
 
 
 async def stop(eng) -> None:
-    import gc
-
     import torch
 
     await eng.shutdown()
@@ -113,60 +112,51 @@ async def run(args) -> list[dict]:
         await stop(eng)
         eng = None  # the next start must not find this one still held
 
-    # too large: refused before allocating, then the suggested max_model_len starts
-    before = torch.cuda.memory_allocated()
-    eng, err = await start(options(model_dir, max_model_len=400_000))
-    if eng is not None:
-        row("too large: refused", False, error="it started")
-        await stop(eng)
-        eng = None  # the next start must not find this one still held
-    else:
-        fit = suggested(str(err), "max_model_len")
-        row("too large: refused", isinstance(err, KVCacheTooLargeError) and fit is not None, message=str(err)[:400])
-        # the engine's own weights were on the GPU when it refused; they must be gone with it
-        import gc
-
-        del err
+    async def refused(case: str, opts: dict, ok) -> str | None:
+        """Start an engine that must be refused; a row whether ``ok(message)`` holds; the message, or None."""
+        eng, err = await start(opts)
+        if eng is not None:
+            row(case, False, error="it started")
+            await stop(eng)
+            return None
+        message = str(err)
+        row(case, isinstance(err, KVCacheTooLargeError) and ok(message), message=message[:400])
+        del err  # its traceback holds the refused engine, and with it the weights it had loaded
         gc.collect()
         torch.cuda.empty_cache()
-        row("too large: nothing left behind", torch.cuda.memory_allocated() - before < 0.05 * GB,
-            allocated_after_gb=round((torch.cuda.memory_allocated() - before) / GB, 3))
-        if fit:
-            eng, err = await start(options(model_dir, max_model_len=fit))
-            if err:
-                row("too large: the suggested max_model_len starts", False, max_model_len=fit, error=repr(err)[:400])
-            else:
-                w = eng.warm_up or {}
-                used = (total - torch.cuda.mem_get_info()[0]) / total
-                row("too large: the suggested max_model_len starts", used <= 0.9 + 0.02, max_model_len=fit,
-                    kv_cache_gb=round(w["kv_cache_gb"], 2), gpu_used_share=round(used, 3))
-                await stop(eng)
-                eng = None
+        return message
+
+    # too large: refused before allocating, then the suggested max_model_len starts
+    before = torch.cuda.memory_allocated()
+    message = await refused("too large: refused", options(model_dir, max_model_len=400_000),
+                            lambda m: suggested(m, "max_model_len") is not None)
+    fit = suggested(message, "max_model_len") if message else None
+    # the engine's own weights were on the GPU when it refused; they must be gone with it
+    row("too large: nothing left behind", torch.cuda.memory_allocated() - before < 0.05 * GB,
+        allocated_after_gb=round((torch.cuda.memory_allocated() - before) / GB, 3))
+    if fit:
+        eng, err = await start(options(model_dir, max_model_len=fit))
+        if err:
+            row("too large: the suggested max_model_len starts", False, max_model_len=fit, error=repr(err)[:400])
+        else:
+            w = eng.warm_up or {}
+            used = (total - torch.cuda.mem_get_info()[0]) / total
+            row("too large: the suggested max_model_len starts", used <= 0.9 + 0.02, max_model_len=fit,
+                kv_cache_gb=round(w["kv_cache_gb"], 2), gpu_used_share=round(used, 3))
+            await stop(eng)
+            eng = None
 
     # crowded: another tensor holds most of the GPU, so the budget is what is free
     hog = torch.empty(int(0.7 * total), dtype=torch.uint8, device="cuda")
-    eng, err = await start(options(model_dir, max_model_len=100_000))
-    if eng is not None:
-        row("crowded: refused on what is free", False, error="it started")
-        await stop(eng)
-        eng = None  # the next start must not find this one still held
-    else:
-        row("crowded: refused on what is free", isinstance(err, KVCacheTooLargeError) and "free on" in str(err),
-            message=str(err)[:400])
-        del err
+    await refused("crowded: refused on what is free", options(model_dir, max_model_len=100_000),
+                  lambda m: "free on" in m)
     del hog
     torch.cuda.empty_cache()
 
     # dynamic: max_kv_tokens too large for the GPU
-    eng, err = await start(options(model_dir, kv_cache="dynamic", max_kv_tokens=20_000_000, max_model_len=4096))
-    if eng is not None:
-        row("dynamic: max_kv_tokens refused", False, error="it started")
-        await stop(eng)
-        eng = None  # the next start must not find this one still held
-    else:
-        row("dynamic: max_kv_tokens refused", isinstance(err, KVCacheTooLargeError)
-            and suggested(str(err), "max_kv_tokens") is not None, message=str(err)[:400])
-        del err
+    await refused("dynamic: max_kv_tokens refused",
+                  options(model_dir, kv_cache="dynamic", max_kv_tokens=20_000_000, max_model_len=4096),
+                  lambda m: suggested(m, "max_kv_tokens") is not None)
 
     # fp8: the load's peak against bf16's
     if torch.cuda.get_device_capability() >= (8, 9):
