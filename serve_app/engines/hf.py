@@ -305,8 +305,7 @@ class HFEngine(HFTokenization, Engine):
         self.weights_bytes = sum(held.values())
         if self.device.type == "cuda":
             self.load_peak_bytes = torch.cuda.max_memory_allocated(self.device)
-        return device_budget(self.device, self.options.gpu_memory_utilization,
-                             self.weights_bytes if self.device.type == "cuda" else None)
+        return device_budget(self.device, self.options.gpu_memory_utilization, self.weights_bytes)
 
     def _setup_static(self, device: str) -> None:
         import heapq
