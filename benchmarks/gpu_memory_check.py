@@ -121,7 +121,7 @@ async def run(args) -> list[dict]:
             return None
         message = str(err)
         row(case, isinstance(err, KVCacheTooLargeError) and ok(message), message=message[:400])
-        del err  # its traceback holds the refused engine, and with it the weights it had loaded
+        del err  # its traceback holds the refused engine (which has let its weights go: the next row checks that)
         gc.collect()
         torch.cuda.empty_cache()
         return message

@@ -162,6 +162,49 @@ async def test_an_engine_refuses_a_static_cache_the_host_cannot_hold_before_allo
 
 
 @pytest.mark.asyncio
+async def test_an_engine_refused_or_shut_down_gives_its_weights_back(embedded_model_dir):
+    """What benchmarks/gpu_memory_check.py measures on a GPU (run 119): a refused engine gives back what it
+    loaded while its error, and so the engine, are still held (as the event loop's wake-up handle holds them
+    until the loop turns, or a caller that keeps the error), and one shut down and dropped frees its weights at
+    once, not at the next full garbage collection."""
+    import gc
+    import weakref
+
+    from transformers import PreTrainedModel
+
+    from serve_app.engines.registry import create_engine
+
+    def models() -> int:
+        return sum(issubclass(type(o), PreTrainedModel) for o in gc.get_objects())
+
+    def held(eng):
+        layer = eng.model.model.layers[0]
+        return [weakref.ref(x) for x in (eng, eng.model.model.embed_tokens.weight, layer.self_attn,
+                                         layer.self_attn.qkv_proj.weight)]
+
+    gc.collect()
+    before = models()
+    eng = create_engine("hf", TOO_BIG, process="inline")
+    with pytest.raises(KVCacheTooLargeError) as refused:
+        await eng.start()
+    assert models() == before and refused.value.__traceback__ is not None
+    del eng, refused
+
+    eng = create_engine("hf", {**TOO_BIG, "max_num_seqs": 2, "max_model_len": 256}, process="inline")
+    await eng.start()
+    refs = held(eng)
+    await eng.shutdown()
+    await asyncio.sleep(0)
+    gc.collect()  # whatever else the start left to the collector
+    gc.disable()
+    try:
+        del eng
+        assert [r() is None for r in refs] == [True] * 4
+    finally:
+        gc.enable()
+
+
+@pytest.mark.asyncio
 async def test_an_engine_whose_cache_fits_holds_what_it_checked_and_what_the_offline_plan_says(embedded_model_dir):
     from transformers import AutoConfig
 

@@ -192,7 +192,15 @@ class HFEngine(HFTokenization, Engine):
 
     # ---- lifecycle -------------------------------------------------------
     async def start(self) -> None:
-        await asyncio.to_thread(self._load)
+        try:
+            await asyncio.to_thread(self._load)
+        except BaseException:
+            # whoever holds the error holds this engine through its traceback's frames (a caller that keeps or
+            # logs it; the event loop's wake-up handle until the loop turns), and with it what it had loaded: a
+            # 7B's weights on the GPU when the KV check refuses (run 119). They go now; a retry in this process
+            # with a smaller max_model_len then finds the memory free
+            self.model = self._slots = self._runner = None
+            raise
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
         self._ready = True
