@@ -1,0 +1,42 @@
+#!/bin/bash
+# One device call of issue #8's GPU work, carrying [".raybundle", ".inductor_cache"]:
+#   bash benchmarks/device_call.sh first          # the KV memory check, then the engine (bf16 on an H200,
+#                                                 # fp8 with scales in the epilogue on an H100), then the cache packed
+#   bash benchmarks/device_call.sh engine [--set KEY=JSON ...]   # the engine alone (gpu_engine.py)
+#   bash benchmarks/device_call.sh stack [--set KEY=JSON ...]    # the stack against the last engine run on this machine
+# Why one script: a call's command line is 2,000 characters, the machine goes back 30 s after a call, and a
+# fresh one costs minutes to start (often more: docs/gpu_notes.md), so each call does as much as fits its
+# 600 s and packs the compile cache (inductor_cache.py) whatever happened, for the next call or machine.
+# Runs 119-120 (2026-12-06) came from `first` and `engine --set 'quantization="fp8"' --set 'fp8_scales="epilogue"'`.
+T0=$SECONDS
+nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,power.limit --format=csv
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/seekserve-bench/inductor
+mkdir -p /tmp/site /tmp/seekserve-bench $OUT/mc $OUT/eo .bench_assets
+if [ ! -f /tmp/site/.done ]; then
+  tar -xJf .raybundle/bench_assets.tar.xz -C .bench_assets && tar -xJf .raybundle/site.tar.xz -C /tmp/site && touch /tmp/site/.done
+  python3 benchmarks/inductor_cache.py unpack --parts .inductor_cache 2>&1 | tail -2
+fi
+export PYTHONPATH=/tmp/site:$PWD
+echo "setup done at $((SECONDS-T0)) s"
+mode=$1; shift
+H200=0; nvidia-smi -L | grep -q H200 && H200=1
+if [ "$mode" = first ]; then
+  timeout 130 python3 benchmarks/gpu_memory_check.py --tokenizer .bench_assets --out $OUT/mc > $OUT/memcheck-log.txt 2>&1
+  echo "memcheck rc=$? at $((SECONDS-T0)) s"; tail -12 $OUT/memcheck-log.txt
+  if [ $H200 = 1 ]; then EXTRA=""; else EXTRA="--set 'quantization=\"fp8\"' --set 'fp8_scales=\"epilogue\"'"; fi
+  left=$((565 - SECONDS + T0)); echo "engine ($EXTRA) with $left s"
+  eval timeout $left python3 benchmarks/gpu_engine.py --tokenizer .bench_assets --set mixed_graph_tokens=512 $EXTRA --engine-process separate --think-ms 0 --skip-probes --out $OUT/eo > $OUT/engine-log.txt 2>&1
+  echo "engine rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/engine-log.txt
+elif [ "$mode" = engine ]; then
+  left=$((565 - SECONDS + T0))
+  timeout $left python3 benchmarks/gpu_engine.py --tokenizer .bench_assets --set mixed_graph_tokens=512 "$@" --engine-process separate --think-ms 0 --skip-probes --out $OUT/eo > $OUT/engine-log.txt 2>&1
+  echo "engine rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/engine-log.txt
+elif [ "$mode" = stack ]; then
+  left=$((565 - SECONDS + T0))
+  f=$(ls -t /tmp/seekserve-bench/last_engine/gpu_engine*.json | head -1); [ -n "$f" ] && cp $f $OUT/eo/gpu_engine.json; echo "engine to compare: $f"
+  timeout $left python3 benchmarks/gpu_stack.py --tokenizer .bench_assets --concurrency 32 64 --steady-rounds 10 --set mixed_graph_tokens=512 "$@" --http-proxy haproxy --ingress direct --think-ms 0 --clients bare --out $OUT/eo > $OUT/stack-log.txt 2>&1
+  echo "stack rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/stack-log.txt
+fi
+[ "$mode" != stack ] && mkdir -p /tmp/seekserve-bench/last_engine && cp $OUT/eo/gpu_engine*.json /tmp/seekserve-bench/last_engine/ 2>/dev/null
+python3 benchmarks/inductor_cache.py pack --out $OUT/ic 2>&1 | tail -2
+echo "all done at $((SECONDS-T0)) s"
