@@ -22,6 +22,8 @@ scales and multiplies its output by the row and channel scales afterwards, an
 elementwise step ``torch.compile`` fuses into the kernel after it (the residual
 add, the rotary, the SiLU). Same numbers up to the bf16 rounding of the
 unscaled product; no activation scale is shared across a batch's requests.
+The engine's default is "epilogue" (HFEngineOptions.fp8_scales): in the engine
+on an H100 a 64-row decode step took 5.88 ms against "gemm"'s 6.96 (run 120).
 
 The LM head stays in the model's dtype, as vLLM keeps it by default: its
 logits pick the tokens, and at 64 rows it is ~7 % of a step's GEMM time.
