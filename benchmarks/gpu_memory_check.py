@@ -67,11 +67,11 @@ async def start(opts: dict):
     return eng, None
 
 
-async def stop(eng) -> None:
+def collect() -> None:
+    """Frees what a dropped engine held, once no variable refers to it any more (a helper that took the engine
+    as an argument could not drop the caller's reference: run 118's script measured with the last engine held)."""
     import torch
 
-    await eng.shutdown()
-    del eng
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -96,35 +96,46 @@ async def run(args) -> list[dict]:
         rows.append({"case": case, "ok": ok, **fields})
         print(f"{'ok  ' if ok else 'FAIL'} {case}: {json.dumps(fields)}", flush=True)
 
-    bf16_peak = None
-    # fits: what the GPU holds once started against what the check counted
-    eng, err = await start(options(model_dir))
-    if err:
-        row("fits", False, error=repr(err))
-    else:
-        w = eng.warm_up or {}
-        held_gb = torch.cuda.memory_allocated() / GB
-        counted_gb = w["weights_gb"] + w["kv_cache_gb"]
-        row("fits", abs(held_gb - counted_gb) < 0.05 * counted_gb + 0.2, kv_cache_gb=round(w["kv_cache_gb"], 3),
-            weights_gb=round(w["weights_gb"], 3), allocated_gb=round(held_gb, 3),
-            load_peak_gb=round(w["load_peak_gb"], 3), kv_counted_gb=round(64 * 2048 * 2 * LAYERS * 4 * 128 * 2 / GB, 3))
-        bf16_peak = w["load_peak_gb"]
-        await stop(eng)
-        eng = None  # the next start must not find this one still held
+    async def started(case: str, opts: dict, measure) -> dict | None:
+        """Start an engine that must start; a row of ``measure(warm_up)`` -> (ok, fields), taken while it runs;
+        its warm-up report, or None. The engine is shut down and dropped before this returns."""
+        eng, err = await start(opts)
+        if eng is None:
+            row(case, False, error=repr(err)[:400])
+            return None
+        warm = eng.warm_up or {}
+        ok, fields = measure(warm)
+        row(case, ok, **fields)
+        await eng.shutdown()
+        del eng
+        collect()
+        return warm
 
     async def refused(case: str, opts: dict, ok) -> str | None:
         """Start an engine that must be refused; a row whether ``ok(message)`` holds; the message, or None."""
         eng, err = await start(opts)
         if eng is not None:
             row(case, False, error="it started")
-            await stop(eng)
+            await eng.shutdown()
+            del eng
+            collect()
             return None
         message = str(err)
         row(case, isinstance(err, KVCacheTooLargeError) and ok(message), message=message[:400])
         del err  # its traceback holds the refused engine (which has let its weights go: the next row checks that)
-        gc.collect()
-        torch.cuda.empty_cache()
+        collect()
         return message
+
+    def fits(w: dict):  # what the GPU holds once started against what the check counted
+        held_gb = torch.cuda.memory_allocated() / GB
+        counted_gb = w["weights_gb"] + w["kv_cache_gb"]
+        return abs(held_gb - counted_gb) < 0.05 * counted_gb + 0.2, dict(
+            kv_cache_gb=round(w["kv_cache_gb"], 3), weights_gb=round(w["weights_gb"], 3),
+            allocated_gb=round(held_gb, 3), load_peak_gb=round(w["load_peak_gb"], 3),
+            kv_counted_gb=round(64 * 2048 * 2 * LAYERS * 4 * 128 * 2 / GB, 3))
+
+    warm = await started("fits", options(model_dir), fits)
+    bf16_peak = warm["load_peak_gb"] if warm else None
 
     # too large: refused before allocating, then the suggested max_model_len starts
     before = torch.cuda.memory_allocated()
@@ -135,16 +146,13 @@ async def run(args) -> list[dict]:
     row("too large: nothing left behind", torch.cuda.memory_allocated() - before < 0.05 * GB,
         allocated_after_gb=round((torch.cuda.memory_allocated() - before) / GB, 3))
     if fit:
-        eng, err = await start(options(model_dir, max_model_len=fit))
-        if err:
-            row("too large: the suggested max_model_len starts", False, max_model_len=fit, error=repr(err)[:400])
-        else:
-            w = eng.warm_up or {}
+        def within_share(w: dict):
             used = (total - torch.cuda.mem_get_info()[0]) / total
-            row("too large: the suggested max_model_len starts", used <= 0.9 + 0.02, max_model_len=fit,
-                kv_cache_gb=round(w["kv_cache_gb"], 2), gpu_used_share=round(used, 3))
-            await stop(eng)
-            eng = None
+            return used <= 0.9 + 0.02, dict(max_model_len=fit, kv_cache_gb=round(w["kv_cache_gb"], 2),
+                                            gpu_used_share=round(used, 3))
+
+        await started("too large: the suggested max_model_len starts", options(model_dir, max_model_len=fit),
+                      within_share)
 
     # crowded: another tensor holds most of the GPU, so the budget is what is free
     hog = torch.empty(int(0.7 * total), dtype=torch.uint8, device="cuda")
@@ -160,16 +168,10 @@ async def run(args) -> list[dict]:
 
     # fp8: the load's peak against bf16's
     if torch.cuda.get_device_capability() >= (8, 9):
-        eng, err = await start(options(model_dir, quantization="fp8"))
-        if err:
-            row("fp8: load peak", False, error=repr(err)[:400])
-        else:
-            w = eng.warm_up or {}
-            row("fp8: load peak", bf16_peak is not None and w["load_peak_gb"] < bf16_peak,
-                load_peak_gb=round(w["load_peak_gb"], 3),
-                weights_gb=round(w["weights_gb"], 3), bf16_load_peak_gb=bf16_peak)
-            await stop(eng)
-            eng = None
+        await started("fp8: load peak", options(model_dir, quantization="fp8"), lambda w: (
+            bf16_peak is not None and w["load_peak_gb"] < bf16_peak,
+            dict(load_peak_gb=round(w["load_peak_gb"], 3), weights_gb=round(w["weights_gb"], 3),
+                 bf16_load_peak_gb=bf16_peak)))
     rows.append({"gpu": torch.cuda.get_device_name(), "total_gb": total / GB, "free_at_start_gb": free0 / GB})
     return rows
 
