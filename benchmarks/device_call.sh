@@ -2,6 +2,8 @@
 # One device call of issue #8's GPU work, carrying [".raybundle", ".inductor_cache"]:
 #   bash benchmarks/device_call.sh first          # the KV memory check, then the engine in fp8 (scales in the
 #                                                 # epilogue, the default), then the cache packed
+#   bash benchmarks/device_call.sh answers [--cases ...]          # the fast paths' answers against eager ones
+#                                                 # (gpu_answers_check.py: float32, bf16, fp8), then the cache packed
 #   bash benchmarks/device_call.sh engine [--set KEY=JSON ...]   # the engine alone (gpu_engine.py)
 #   bash benchmarks/device_call.sh stack [--set KEY=JSON ...]    # the stack against the last engine run on this machine
 # Why one script: a call's command line is 2,000 characters, the machine goes back 30 s after a call, and a
@@ -27,6 +29,10 @@ if [ "$mode" = first ]; then
   left=$((565 - SECONDS + T0)); echo "engine ($EXTRA) with $left s"
   eval timeout $left python3 benchmarks/gpu_engine.py --tokenizer .bench_assets --set mixed_graph_tokens=512 $EXTRA --engine-process separate --think-ms 0 --skip-probes --out $OUT/eo > $OUT/engine-log.txt 2>&1
   echo "engine rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/engine-log.txt
+elif [ "$mode" = answers ]; then
+  left=$((565 - SECONDS + T0))
+  timeout $left python3 benchmarks/gpu_answers_check.py --tokenizer .bench_assets --out $OUT/ac "$@" > $OUT/answers-log.txt 2>&1
+  echo "answers rc=$? at $((SECONDS-T0)) s"; grep -v "Loading weights\|Writing model" $OUT/answers-log.txt | tail -30
 elif [ "$mode" = engine ]; then
   left=$((565 - SECONDS + T0))
   timeout $left python3 benchmarks/gpu_engine.py --tokenizer .bench_assets --set mixed_graph_tokens=512 "$@" --engine-process separate --think-ms 0 --skip-probes --out $OUT/eo > $OUT/engine-log.txt 2>&1
@@ -37,6 +43,6 @@ elif [ "$mode" = stack ]; then
   timeout $left python3 benchmarks/gpu_stack.py --tokenizer .bench_assets --concurrency 32 64 --steady-rounds 10 --set mixed_graph_tokens=512 "$@" --http-proxy haproxy --ingress direct --think-ms 0 --clients bare --out $OUT/eo > $OUT/stack-log.txt 2>&1
   echo "stack rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/stack-log.txt
 fi
-[ "$mode" != stack ] && mkdir -p /tmp/seekserve-bench/last_engine && cp $OUT/eo/gpu_engine*.json /tmp/seekserve-bench/last_engine/ 2>/dev/null
+[ "$mode" = first ] || [ "$mode" = engine ] && mkdir -p /tmp/seekserve-bench/last_engine && cp $OUT/eo/gpu_engine*.json /tmp/seekserve-bench/last_engine/ 2>/dev/null
 python3 benchmarks/inductor_cache.py pack --out $OUT/ic 2>&1 | tail -2
 echo "all done at $((SECONDS-T0)) s"

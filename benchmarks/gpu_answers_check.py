@@ -1,0 +1,283 @@
+"""The engine's fast paths on a real GPU answer as its plain path does.
+
+    python3 benchmarks/gpu_answers_check.py --tokenizer .bench_assets [--out $OUT]
+
+Why: every GPU benchmark runs random weights with fixed output lengths and
+reads only times, so a pass that wrote the wrong slot, replayed a graph over
+stale inputs, or read a pinned host buffer before its non-blocking copy landed
+would still report its tok/s. On the CPU box the engine has none of those
+paths (no CUDA graphs, no streams, no pinned buffers: hf.py runs them only on
+"cuda"), so the CPU tests cannot see such a fault either.
+
+Each case starts two engines on one random model of the 7B's layer shape
+(4 layers; transformers' own initialisation, so the model's next token
+depends on its context) and sends both the same concurrent greedy load: a
+burst of prompts at once (multi-prompt prefill passes), then one prompt
+every 5 ms while the others decode (one-prompt graph replays and mixed
+passes, rows joining and leaving the buckets, slots reused once all 32 have
+been taken), prompts of 3 to 1,500 tokens.
+
+- the reference: eager, unfused, uncaptured (``cuda_graphs`` and both
+  compiles off), asking for the top-2 log-probabilities of every token;
+- the engine as the benchmarks run it: fused projections, compiled decode
+  and prefill, CUDA graphs, one-prompt prefill graphs, mixed passes of up to
+  512 tokens.
+
+A request passes if its tokens are the reference's, or if they first part
+where the reference's top two were within ``tie_nats`` of each other and it
+took the second (a rounding difference, not a fault); and over the tokens
+they share, each token's log-probability is within ``logprob_nats`` of the
+reference's. float32 is held to 1e-3 nats, so any fault of slots, positions or
+buffers shows; bf16 and FP8 (the same quantized weights in both engines) to
+looser bounds, and their rows report how often and how early answers part.
+
+Prints a table last and writes gpu_answers_check.json; exit 1 if any case
+fails. ``--device cpu --model-config tiny`` runs the same script on the CPU box
+(both engines then take the plain path: a check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_engine import QWEN7B  # noqa: E402
+
+LAYERS = 4
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+            tie_word_embeddings=False)
+OUTPUT_TOKENS = 48
+LOGIT_STD = 3.0
+# (case, dtype, quantization, tie_nats, logprob_nats)
+CASES = {
+    "float32": ("float32", "none", 1e-3, 1e-3),
+    "bf16": ("bfloat16", "none", 0.25, 0.25),
+    "fp8": ("bfloat16", "fp8", 0.5, 0.5),
+}
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    logprobs: list[float]
+    top2: list[list[tuple[int, float]]] | None  # per token, the reference's two likeliest (id, logprob)
+
+
+def compare(ref: Answer, got: Answer, tie_nats: float, logprob_nats: float) -> dict:
+    """One request's verdict: where ``got`` first parts from ``ref``, whether that is a tie of the reference's
+    top two, and the largest log-probability difference over the tokens they share."""
+    shared = 0
+    for a, b in zip(ref.tokens, got.tokens):
+        if a != b:
+            break
+        shared += 1
+    max_dlp = max((abs(a - b) for a, b in zip(ref.logprobs[:shared], got.logprobs[:shared])), default=0.0)
+    out = {"shared": shared, "length": len(ref.tokens), "max_dlogprob": max_dlp, "parted_at_gap": None}
+    if len(got.tokens) != len(ref.tokens):
+        return {**out, "ok": False, "why": f"{len(got.tokens)} tokens against the reference's {len(ref.tokens)}"}
+    if max_dlp > logprob_nats:
+        return {**out, "ok": False, "why": f"a shared token's logprob differs by {max_dlp:.3g} nats"}
+    if shared == len(ref.tokens):
+        return {**out, "ok": True, "why": "identical"}
+    # the reference's pick and its runner-up (with an exact tie the listing's order is arbitrary, the pick not)
+    took = ref.tokens[shared]
+    top = dict(ref.top2[shared])
+    other_id, other_lp = max(((t, lp) for t, lp in top.items() if t != took), key=lambda kv: kv[1])
+    gap = top.get(took, ref.logprobs[shared]) - other_lp
+    out["parted_at_gap"] = gap
+    if got.tokens[shared] == other_id and gap <= tie_nats:
+        return {**out, "ok": True, "why": f"parted at token {shared}, a tie ({gap:.3g} nats)"}
+    return {**out, "ok": False, "why": f"parted at token {shared}: took {got.tokens[shared]}, the reference "
+                                      f"{took} ({gap:.3g} nats ahead of {other_id})"}
+
+
+def schedule(max_prompt: int, known: int, seed: int = 0) -> list[tuple[float, list[int]]]:
+    """(arrival s, prompt ids): 8 at once, then 48 one every 5 ms (more than the engines' 32 slots, so slots are
+    reused while others decode); lengths scaled to ``max_prompt``."""
+    rng = random.Random(seed)
+    burst = [5, 17, 64, 100, 300, 512, 700, 1500]
+    trickle = [3, 40, 130, 256, 448, 511, 512, 513, 800, 64, 200, 1024]
+    lengths = burst + trickle * 4
+    arrivals = [0.0] * len(burst) + [0.3 + 0.005 * i for i in range(4 * len(trickle))]
+    scale = min(1.0, max_prompt / 1500)
+    return [(t, [rng.randrange(100, known) for _ in range(max(1, int(n * scale)))])
+            for t, n in zip(arrivals, lengths)]
+
+
+def build_model(path: Path, tokenizer_dir: Path, device: str, config: dict) -> None:
+    """The random model (transformers' own initialisation: norms at 1, so the next token depends on the context;
+    a sharper LM head) saved in bf16 with the tokenizer; ids past the tokenizer's never win (zero rows)."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (path / "config.json").exists() and list(path.glob("*.safetensors")):
+        return
+    known = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    cfg = Qwen2Config(**{"vocab_size": max(known, config.pop("vocab_size", known)), **config})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        # logits of std ~LOGIT_STD (the final norm's output has unit RMS): a real model's sharpness, so the top two
+        # are seldom within rounding of each other and a fault moves log-probabilities by as much as it moves
+        # logits (at the initialisation's 0.02 the logits spread ~1 and a 1 % fault moves them ~1e-3)
+        model.lm_head.weight.normal_(0.0, LOGIT_STD / cfg.hidden_size ** 0.5)
+        model.lm_head.weight[known:].zero_()
+    model.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, path / f.name)
+    del model
+    gc.collect()
+
+
+def engine_options(model_dir: Path, device: str, dtype: str, quantization: str, fast: bool,
+                   max_model_len: int) -> dict:
+    common = {"model": str(model_dir), "device": device, "dtype": dtype, "quantization": quantization,
+              "max_num_seqs": 32, "max_waiting_requests": 256, "max_model_len": max_model_len,
+              "max_prefill_tokens": 2048, "kv_cache": "static"}
+    if fast:  # the benchmarks' engine (gpu_engine.py's options, mixed passes on)
+        return {**common, "mixed_graph_tokens": min(512, max_model_len // 4 // 64 * 64)}
+    return {**common, "fuse_projections": False, "cuda_graphs": False, "compile_decode": False,
+            "compile_prefill": False, "prefill_graph_tokens": 0, "mixed_graph_tokens": 0}
+
+
+async def answers(opts: dict, load: list[tuple[float, list[int]]], top2: bool) -> tuple[list[Answer], dict]:
+    """Every request's answer from one engine under ``load``, and the engine's pass counts."""
+    from serve_app.engines.base import GenerationRequest, SamplingParams
+    from serve_app.engines.registry import create_engine
+
+    eng = create_engine("hf", opts, process="inline")
+    t0 = time.perf_counter()
+    await eng.start()
+    ready_s = time.perf_counter() - t0
+
+    async def one(i: int, at: float, ids: list[int]) -> Answer:
+        await asyncio.sleep(at)
+        sp = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True, top_logprobs=2 if top2 else 0)
+        toks, lps, tops = [], [], []
+        async for c in eng.generate(GenerationRequest(f"r{i}", ids, sp)):
+            toks += c.token_ids
+            lps += c.logprobs
+            if c.top_logprobs is not None:
+                tops += [sorted(d.items(), key=lambda kv: -kv[1]) for d in c.top_logprobs]
+        return Answer(toks, lps, tops if top2 else None)
+
+    try:
+        got = await asyncio.gather(*(one(i, at, ids) for i, (at, ids) in enumerate(load)))
+        s = eng.stats()
+        passes = {"ready_s": round(ready_s, 1), "forward_passes": s.forward_passes,
+                  "prefill_passes": s.prefill_passes, "prefill_graph_passes": s.prefill_graph_passes,
+                  "mixed_passes": s.mixed_passes,
+                  "graphs": (eng.warm_up or {}).get("cuda_graphs", 0)}
+    finally:
+        await eng.shutdown()
+        eng = None  # the next engine starts with this one's memory given back (gpu_memory_check.py, run 119)
+        gc.collect()
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 — no CUDA
+            pass
+    return list(got), passes
+
+
+async def run(args) -> list[dict]:
+    import torch
+
+    device = args.device
+    config = {**QWEN7B, "num_hidden_layers": LAYERS} if args.model_config == "7b-4layer" else dict(TINY)
+    model_dir = Path(args.work) / f"answers-{args.model_config}"
+    build_model(model_dir, Path(args.tokenizer), device, config)
+    from tokenizers import Tokenizer
+
+    known = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json")).get_vocab_size()
+    max_model_len = args.max_model_len
+    load = schedule(max_model_len - OUTPUT_TOKENS - 1, known)
+    rows = []
+    device_row = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  "model": args.model_config, "output_tokens": OUTPUT_TOKENS}
+
+    def save() -> None:  # after every case: a call cut short by its time limit keeps the cases it finished
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_answers_check.json").write_text(json.dumps(rows + [device_row], indent=1))
+
+    for name in args.cases:
+        dtype, quant, tie, lp_tol = CASES[name]
+        if quant == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            rows.append({"case": name, "ok": True, "skipped": "no FP8 on this GPU"})
+            save()
+            continue
+        t0 = time.perf_counter()
+        try:
+            ref, ref_passes = await answers(engine_options(model_dir, device, dtype, quant, False, max_model_len),
+                                            load, top2=True)
+            fast, fast_passes = await answers(engine_options(model_dir, device, dtype, quant, True, max_model_len),
+                                              load, top2=False)
+        except Exception as e:  # noqa: BLE001 — the case reports it
+            rows.append({"case": name, "ok": False, "error": repr(e)[:600]})
+            print(f"FAIL {name}: {e!r}"[:700], flush=True)
+            save()
+            continue
+        verdicts = [compare(r, f, tie, lp_tol) for r, f in zip(ref, fast)]
+        bad = [dict(request=i, prompt_tokens=len(load[i][1]), **v) for i, v in enumerate(verdicts) if not v["ok"]]
+        parted = [v["shared"] for v in verdicts if v["shared"] < v["length"]]
+        distinct = statistics.median(len(set(a.tokens)) for a in ref)
+        row = {"case": name, "ok": not bad, "dtype": dtype, "quantization": quant, "tie_nats": tie,
+               "logprob_nats": lp_tol, "requests": len(load), "identical": len(verdicts) - len(parted),
+               "parted_at_ties": sum(v["ok"] and v["shared"] < v["length"] for v in verdicts), "failed": len(bad),
+               "first_parting_median": statistics.median(parted) if parted else None,
+               "max_dlogprob": max(v["max_dlogprob"] for v in verdicts),
+               "distinct_tokens_per_answer_median": distinct, "reference": ref_passes, "fast": fast_passes,
+               "seconds": round(time.perf_counter() - t0, 1), "failures": bad[:8], "verdicts": verdicts}
+        rows.append(row)
+        print(f"{'ok  ' if row['ok'] else 'FAIL'} {name}: {row['identical']}/{len(load)} identical, "
+              f"{row['parted_at_ties']} parted at ties, {len(bad)} failed; max dlogprob {row['max_dlogprob']:.2g}; "
+              f"fast passes {fast_passes}", flush=True)
+        for b in bad[:4]:
+            print(f"     request {b['request']} ({b['prompt_tokens']} prompt tokens): {b['why']}", flush=True)
+        save()
+    return rows + [device_row]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", required=True, help="a tokenizer directory (the model's weights are random)")
+    p.add_argument("--work", default="/tmp/seekserve-bench")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--model-config", default="7b-4layer", choices=["7b-4layer", "tiny"])
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--out", default=str(ROOT / "results"))
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    rows = asyncio.run(run(args))
+    print(f"\n{rows[-1]['device']}, model {rows[-1]['model']}; {time.perf_counter() - t0:.0f} s")
+    print(f"{'case':<10}{'result':<8}{'identical':>10}{'at ties':>9}{'failed':>8}{'max dlogprob':>14}")
+    for r in rows[:-1]:
+        if "identical" in r:
+            print(f"{r['case']:<10}{'ok' if r['ok'] else 'FAIL':<8}{r['identical']:>10}{r['parted_at_ties']:>9}"
+                  f"{r['failed']:>8}{r['max_dlogprob']:>14.2g}")
+        else:
+            print(f"{r['case']:<10}{'ok' if r['ok'] else 'FAIL':<8}{r.get('skipped') or r.get('error', '')}")
+    sys.exit(0 if all(r["ok"] for r in rows[:-1]) else 1)
+
+
+if __name__ == "__main__":
+    main()

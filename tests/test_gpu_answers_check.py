@@ -1,0 +1,89 @@
+"""benchmarks/gpu_answers_check.py: its verdicts, and the script itself run on the CPU box (where both engines
+take the plain path) with and without a fault put into the path only its fast engine takes."""
+
+import argparse
+import asyncio
+import shutil
+
+import pytest
+
+from benchmarks.gpu_answers_check import Answer, compare, run, schedule
+
+
+def _ref(tokens, gaps):
+    # the reference's pick at each position, and a runner-up `gap` nats behind it
+    return Answer(tokens, [-1.0] * len(tokens), [[(t, -1.0), (t + 1, -1.0 - g)] for t, g in zip(tokens, gaps)])
+
+
+def test_identical_answers_pass():
+    ref = _ref([5, 6, 7], [0.5, 0.5, 0.5])
+    v = compare(ref, Answer([5, 6, 7], [-1.0, -1.0005, -1.0], None), tie_nats=1e-3, logprob_nats=1e-3)
+    assert v["ok"] and v["shared"] == 3 and v["why"] == "identical"
+
+
+def test_parting_at_a_tie_to_the_runner_up_passes_and_anywhere_else_fails():
+    ref = _ref([5, 6, 7, 8], [0.5, 0.0004, 0.5, 0.5])
+    tie = compare(ref, Answer([5, 7, 1, 1], [-1.0] * 4, None), tie_nats=1e-3, logprob_nats=1e-3)
+    assert tie["ok"] and tie["shared"] == 1 and tie["parted_at_gap"] == pytest.approx(0.0004)
+    # the same place, but to a token that was not the runner-up
+    assert not compare(ref, Answer([5, 9, 1, 1], [-1.0] * 4, None), 1e-3, 1e-3)["ok"]
+    # the runner-up, but where the reference was sure
+    sure = compare(ref, Answer([5, 6, 8, 1], [-1.0] * 4, None), 1e-3, 1e-3)
+    assert not sure["ok"] and "0.5 nats ahead" in sure["why"]
+
+
+def test_an_exact_tie_is_judged_from_the_reference_pick_not_the_listing_order():
+    # equal logprobs: the listing may put either first; the pick (argmax: the lower id) is what the engine took
+    ref = Answer([39377], [-2.0], [[(39957, -2.0), (39377, -2.0)]])
+    assert compare(ref, Answer([39957], [-2.0], None), 0.25, 0.25)["ok"]
+
+
+def test_a_drift_in_shared_tokens_or_a_short_answer_fails():
+    ref = _ref([5, 6, 7], [0.5, 0.5, 0.5])
+    drift = compare(ref, Answer([5, 6, 7], [-1.0, -1.01, -1.0], None), 1e-3, 1e-3)
+    assert not drift["ok"] and drift["max_dlogprob"] == pytest.approx(0.01)
+    assert not compare(ref, Answer([5, 6], [-1.0, -1.0], None), 1e-3, 1e-3)["ok"]
+
+
+def test_the_load_bursts_then_trickles_with_lengths_scaled_to_the_context():
+    load = schedule(200, known=1000)
+    assert [t for t, _ in load[:8]] == [0.0] * 8 and load[8][0] == 0.3 and len(load) == 56  # > 32 slots
+    assert max(len(ids) for _, ids in load) == 200 and min(len(ids) for _, ids in load) >= 1
+    assert all(100 <= i < 1000 for _, ids in load for i in ids)
+    assert schedule(200, 1000) == load  # seeded: both engines get the same prompts
+
+
+def _args(tmp_path, embedded_model_dir, cases):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for f in embedded_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, tok / f.name)
+    return argparse.Namespace(tokenizer=str(tok), work=str(tmp_path), device="cpu", model_config="tiny",
+                              max_model_len=256, cases=cases, out=str(tmp_path / "out"))
+
+
+def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_computes_otherwise(
+        tmp_path, embedded_model_dir, monkeypatch):
+    from pathlib import Path
+
+    import serve_app.engines.fused as fused
+
+    args = _args(tmp_path, Path(embedded_model_dir), ["float32"])
+    rows = asyncio.run(run(args))
+    assert rows[0]["ok"] and rows[0]["identical"] == rows[0]["requests"] == 56, rows[0]["failures"]
+    assert rows[0]["distinct_tokens_per_answer_median"] > 8  # the random model's answers depend on the context
+
+    # a fault in a path only the fast engine takes (it fuses projections, the reference does not): 1 % on one
+    # layer's MLP output
+    real = fused.fuse_projections
+
+    def faulty(model):
+        out = real(model)
+        model.model.layers[1].mlp.down_proj.weight.data.mul_(1.01)
+        return out
+
+    monkeypatch.setattr(fused, "fuse_projections", faulty)
+    rows = asyncio.run(run(args))
+    assert not rows[0]["ok"] and rows[0]["failed"] > 0
+    assert any("logprob differs" in f["why"] or "parted at token" in f["why"] for f in rows[0]["failures"])
