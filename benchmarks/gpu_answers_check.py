@@ -43,7 +43,6 @@ import asyncio
 import gc
 import json
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -53,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import QWEN7B  # noqa: E402
+from benchmarks.gpu_engine import QWEN7B, save_with_tokenizer  # noqa: E402
 
 LAYERS = 4
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -137,10 +136,7 @@ def build_model(path: Path, tokenizer_dir: Path, device: str, config: dict) -> N
         # logits (at the initialisation's 0.02 the logits spread ~1 and a 1 % fault moves them ~1e-3)
         model.lm_head.weight.normal_(0.0, LOGIT_STD / cfg.hidden_size ** 0.5)
         model.lm_head.weight[known:].zero_()
-    model.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, path / f.name)
+    save_with_tokenizer(model, path, tokenizer_dir)
     del model
     gc.collect()
 

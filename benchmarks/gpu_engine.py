@@ -83,13 +83,18 @@ def build_model_dir(path: Path, tokenizer_dir: Path, **config) -> float:
 
         known = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
         model.lm_head.weight[known:].zero_()
+    save_with_tokenizer(model, path, tokenizer_dir)
+    del model
+    torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+def save_with_tokenizer(model, path: Path, tokenizer_dir: Path) -> None:
+    """A model directory the engine loads: the weights, and the stand-in tokenizer's files beside them."""
     model.save_pretrained(path)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, path / f.name)
-    del model
-    torch.cuda.empty_cache()
-    return time.perf_counter() - t0
 
 
 def bench_options(work: Path, tokenizer: str | None, model: str | None = None, device: str = "cuda",
