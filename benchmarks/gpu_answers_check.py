@@ -30,6 +30,8 @@ they share, each token's log-probability is within ``logprob_nats`` of the
 reference's. float32 is held to 1e-3 nats, so any fault of slots, positions or
 buffers shows; bf16 and FP8 (the same quantized weights in both engines) to
 looser bounds, and their rows report how often and how early answers part.
+A last case runs float32 again with chunked prefill (``mixed_chunk_tokens``,
+opt-in), whose later chunks take a masked pass of their own.
 
 Prints a table last and writes gpu_answers_check.json; exit 1 if any case
 fails. ``--device cpu --model-config tiny`` runs the same script on the CPU box
@@ -60,11 +62,13 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             tie_word_embeddings=False)
 OUTPUT_TOKENS = 48
 LOGIT_STD = 3.0
-# (case, dtype, quantization, tie_nats, logprob_nats)
+# case -> (dtype, quantization, tie_nats, logprob_nats, chunked); in the order a call cut short should keep them
 CASES = {
-    "float32": ("float32", "none", 1e-3, 1e-3),
-    "bf16": ("bfloat16", "none", 0.25, 0.25),
-    "fp8": ("bfloat16", "fp8", 0.5, 0.5),
+    "float32": ("float32", "none", 1e-3, 1e-3, False),
+    "bf16": ("bfloat16", "none", 0.25, 0.25, False),
+    "fp8": ("bfloat16", "fp8", 0.5, 0.5, False),
+    # chunked prefill (opt-in): a prompt's later chunks attend over its slot through their own masked pass
+    "float32-chunks": ("float32", "none", 1e-3, 1e-3, True),
 }
 
 
@@ -142,12 +146,14 @@ def build_model(path: Path, tokenizer_dir: Path, device: str, config: dict) -> N
 
 
 def engine_options(model_dir: Path, device: str, dtype: str, quantization: str, fast: bool,
-                   max_model_len: int) -> dict:
+                   max_model_len: int, chunked: bool = False) -> dict:
     common = {"model": str(model_dir), "device": device, "dtype": dtype, "quantization": quantization,
               "max_num_seqs": 32, "max_waiting_requests": 256, "max_model_len": max_model_len,
               "max_prefill_tokens": 2048, "kv_cache": "static"}
     if fast:  # the benchmarks' engine (gpu_engine.py's options, mixed passes on)
-        return {**common, "mixed_graph_tokens": min(512, max_model_len // 4 // 64 * 64)}
+        mixed = min(512, max_model_len // 4 // 64 * 64)
+        chunks = {"mixed_chunk_tokens": max(64, mixed // 2 // 64 * 64)} if chunked else {}
+        return {**common, "mixed_graph_tokens": mixed, **chunks}
     return {**common, "fuse_projections": False, "cuda_graphs": False, "compile_decode": False,
             "compile_prefill": False, "prefill_graph_tokens": 0, "mixed_graph_tokens": 0}
 
@@ -215,7 +221,7 @@ async def run(args) -> list[dict]:
         (out / "gpu_answers_check.json").write_text(json.dumps(rows + [device_row], indent=1))
 
     for name in args.cases:
-        dtype, quant, tie, lp_tol = CASES[name]
+        dtype, quant, tie, lp_tol, chunked = CASES[name]
         if quant == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
             rows.append({"case": name, "ok": True, "skipped": "no FP8 on this GPU"})
             save()
@@ -224,8 +230,8 @@ async def run(args) -> list[dict]:
         try:
             ref, ref_passes = await answers(engine_options(model_dir, device, dtype, quant, False, max_model_len),
                                             load, top2=True)
-            fast, fast_passes = await answers(engine_options(model_dir, device, dtype, quant, True, max_model_len),
-                                              load, top2=False)
+            fast, fast_passes = await answers(engine_options(model_dir, device, dtype, quant, True, max_model_len,
+                                                             chunked), load, top2=False)
         except Exception as e:  # noqa: BLE001 — the case reports it
             rows.append({"case": name, "ok": False, "error": repr(e)[:600]})
             print(f"FAIL {name}: {e!r}"[:700], flush=True)
@@ -265,13 +271,13 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = asyncio.run(run(args))
     print(f"\n{rows[-1]['device']}, model {rows[-1]['model']}; {time.perf_counter() - t0:.0f} s")
-    print(f"{'case':<10}{'result':<8}{'identical':>10}{'at ties':>9}{'failed':>8}{'max dlogprob':>14}")
+    print(f"{'case':<16}{'result':<8}{'identical':>10}{'at ties':>9}{'failed':>8}{'max dlogprob':>14}")
     for r in rows[:-1]:
         if "identical" in r:
-            print(f"{r['case']:<10}{'ok' if r['ok'] else 'FAIL':<8}{r['identical']:>10}{r['parted_at_ties']:>9}"
+            print(f"{r['case']:<16}{'ok' if r['ok'] else 'FAIL':<8}{r['identical']:>10}{r['parted_at_ties']:>9}"
                   f"{r['failed']:>8}{r['max_dlogprob']:>14.2g}")
         else:
-            print(f"{r['case']:<10}{'ok' if r['ok'] else 'FAIL':<8}{r.get('skipped') or r.get('error', '')}")
+            print(f"{r['case']:<16}{'ok' if r['ok'] else 'FAIL':<8}{r.get('skipped') or r.get('error', '')}")
     sys.exit(0 if all(r["ok"] for r in rows[:-1]) else 1)
 
 

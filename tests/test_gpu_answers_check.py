@@ -87,3 +87,21 @@ def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_compute
     rows = asyncio.run(run(args))
     assert not rows[0]["ok"] and rows[0]["failed"] > 0
     assert any("logprob differs" in f["why"] or "parted at token" in f["why"] for f in rows[0]["failures"])
+
+
+@pytest.mark.parametrize("case", ["float32", "bf16", "fp8", "float32-chunks"])
+def test_every_case_s_engines_are_valid_gpu_configurations(case):
+    # a configuration the engine refuses would cost a device call to find out
+    from pathlib import Path
+
+    from serve_app.engines.options import HFEngineOptions
+    from benchmarks.gpu_answers_check import CASES, engine_options
+
+    dtype, quant, _, _, chunked = CASES[case]
+    ref = HFEngineOptions(**engine_options(Path("m"), "cuda", dtype, quant, False, 2048, chunked))
+    fast = HFEngineOptions(**engine_options(Path("m"), "cuda", dtype, quant, True, 2048, chunked))
+    assert not ref.cuda_graphs and not ref.compile_decode and not ref.fuse_projections and ref.mixed_graph_tokens == 0
+    assert fast.cuda_graphs and fast.compile_decode and fast.compile_prefill and fast.fuse_projections
+    assert fast.mixed_graph_tokens == 512 and fast.prefill_graph_tokens > 0
+    assert fast.mixed_chunk_tokens == (256 if chunked else 0)
+    assert (ref.quantization, fast.quantization, ref.dtype, fast.dtype) == (quant, quant, dtype, dtype)
