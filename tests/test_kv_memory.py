@@ -277,6 +277,57 @@ def test_config_memory_prints_each_variant_and_fails_where_the_engine_would(tmp_
     assert "cannot read the model: no *.safetensors files in" in capsys.readouterr().err
 
 
+def _header_only_checkpoint(path: Path, **config) -> int:
+    """A Qwen2 checkpoint directory whose safetensors file holds every tensor's header and no data (a sparse file
+    of the full size): what `config memory` reads, without 15 GB on disk. Returns the parameter count."""
+    import json
+    import struct
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**config)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    header, offset = {}, 0
+    for name, p in model.state_dict().items():
+        size = p.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(p.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    path.mkdir()
+    cfg.save_pretrained(path)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return offset // 2
+
+
+def test_the_gpu_example_config_fits_the_gpu_it_names_and_not_half_of_one(tmp_path, capsys):
+    """configs/gpu-7b.yaml says its 64 x 8,192-token cache and a 7B's weights fit an 80 GB GPU: `config memory`
+    on a checkpoint of DeepSeek-R1-Distill-Qwen-7B's shape (headers only) agrees, and on 40 GiB names the fix."""
+    import yaml
+
+    from benchmarks.gpu_engine import QWEN7B
+    from serve_app.cli import main
+
+    params = _header_only_checkpoint(tmp_path / "r1-7b", **{**QWEN7B, "max_position_embeddings": 131072})
+    cfg = yaml.safe_load((ROOT / "configs" / "gpu-7b.yaml").read_text())
+    cfg["models"][0]["variants"][0]["engine"]["options"]["model"] = str(tmp_path / "r1-7b")
+    path = tmp_path / "gpu-7b.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["config", "memory", str(path), "--gpu-memory-gib", "79.6"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    # weights 2 bytes a parameter; KV 28 layers x 2 x 4 heads x 128 x 2 bytes a token, 64 slots x 8,193 positions
+    assert row[0] == "deepseek-r1-distill-qwen-7b/stable" and row[-1] == "yes"
+    assert float(row[3]) == pytest.approx(params * 2 / 1e9, abs=0.01) == pytest.approx(15.23, abs=0.01)
+    assert row[4:7] == ["static", "64", "x"] and row[7] == "8193"
+    assert float(row[8]) == pytest.approx(64 * 8193 * 28 * 2 * 4 * 128 * 2 / 1e9, abs=0.01)
+    assert main(["config", "memory", str(path), "--gpu-memory-gib", "40"]) == 1
+    assert _suggested(capsys.readouterr().err, "max_model_len") < 8192
+
+
 @pytest.mark.asyncio
 async def test_the_dynamic_cache_stays_within_max_kv_tokens_with_one_long_answer_beside_short_ones(
         embedded_model_dir):
