@@ -101,3 +101,27 @@ def test_where_replicas_run_our_code_follows_the_layout_unless_set(direct, loop,
     got = replica_runtime_env(parse_config(data)).get("runtime_env", {}).get("env_vars", {})
     assert got.get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == env
     assert got.get("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP") == env
+
+
+def test_the_gpu_canary_example_and_its_plan_fit_each_other():
+    """configs/gpu-7b-fp8-canary.yaml and configs/plans/fp8-canary.yaml: the plan names the config's model and
+    variants as the rollout controller checks them at start, and the canary differs from stable only in FP8."""
+    from pathlib import Path
+
+    import yaml
+
+    from rollout.plan import RolloutPlan, SetWeightStep
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = parse_config(yaml.safe_load((root / "configs" / "gpu-7b-fp8-canary.yaml").read_text()))
+    plan = RolloutPlan.model_validate(yaml.safe_load((root / "configs" / "plans" / "fp8-canary.yaml").read_text()))
+    model = next(m for m in cfg.models if m.name == plan.model)
+    variants = {v.name: v for v in model.variants}
+    assert variants[plan.stable].weight == 100 and variants[plan.canary].weight == 0
+    assert cfg.rollout.enabled and not cfg.server.direct_streaming
+    stable, canary = variants[plan.stable].engine.options, variants[plan.canary].engine.options
+    apart = {k for k in stable.keys() | canary.keys() if stable.get(k) != canary.get(k)}
+    assert apart == {"quantization"} and canary["quantization"] == "fp8"
+    weights = [s.set_weight for s in plan.steps if isinstance(s, SetWeightStep)]
+    assert weights == sorted(weights) and weights[-1] == 100
+    assert {"confidence", "drift_cdi"} <= {g.metric for g in plan.all_gates()}  # gated on answers, not speed alone
