@@ -306,7 +306,8 @@ def _header_only_checkpoint(path: Path, **config) -> int:
 
 def test_the_gpu_example_config_fits_the_gpu_it_names_and_not_half_of_one(tmp_path, capsys):
     """configs/gpu-7b.yaml says its 64 x 8,192-token cache and a 7B's weights fit an 80 GB GPU: `config memory`
-    on a checkpoint of DeepSeek-R1-Distill-Qwen-7B's shape (headers only) agrees, and on 40 GiB names the fix."""
+    on a checkpoint of DeepSeek-R1-Distill-Qwen-7B's shape (headers only) agrees, and on 40 GiB names the fix;
+    the FP8 canary example fits too."""
     import yaml
 
     from benchmarks.gpu_engine import QWEN7B
@@ -326,6 +327,16 @@ def test_the_gpu_example_config_fits_the_gpu_it_names_and_not_half_of_one(tmp_pa
     assert float(row[8]) == pytest.approx(64 * 8193 * 28 * 2 * 4 * 128 * 2 / 1e9, abs=0.01)
     assert main(["config", "memory", str(path), "--gpu-memory-gib", "40"]) == 1
     assert _suggested(capsys.readouterr().err, "max_model_len") < 8192
+
+    # the FP8 canary example: both variants fit, the canary's decoder linears at a byte a weight
+    cfg = yaml.safe_load((ROOT / "configs" / "gpu-7b-fp8-canary.yaml").read_text())
+    for v in cfg["models"][0]["variants"]:
+        v["engine"]["options"]["model"] = str(tmp_path / "r1-7b")
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["config", "memory", str(path), "--gpu-memory-gib", "79.6"]) == 0
+    rows = {r.split()[0]: r.split() for r in capsys.readouterr().out.splitlines()[-2:]}
+    assert float(rows["deepseek-r1-distill-qwen-7b/fp8"][3]) == pytest.approx(8.7, abs=0.05)
+    assert rows["deepseek-r1-distill-qwen-7b/stable"][3] == row[3] and all(r[-1] == "yes" for r in rows.values())
 
 
 @pytest.mark.asyncio
