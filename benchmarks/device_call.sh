@@ -9,7 +9,7 @@
 # Why one script: a call's command line is 2,000 characters, the machine goes back 30 s after a call, and a
 # fresh one costs minutes to start (often more: docs/gpu_notes.md), so each call does as much as fits its
 # 600 s and packs the compile cache (inductor_cache.py) whatever happened, for the next call or machine.
-# Runs 119-120 (2026-12-06) came from `first` and `engine --set 'quantization="fp8"' --set 'fp8_scales="epilogue"'`.
+# Runs 119-126 (2026-12-06) came from it: their commands are in docs/benchmarks.md and docs/gpu_notes.md.
 T0=$SECONDS
 nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,power.limit --format=csv
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/seekserve-bench/inductor
@@ -24,12 +24,10 @@ mode=$1; shift
 if [ "$mode" = first ]; then
   timeout 130 python3 benchmarks/gpu_memory_check.py --tokenizer .bench_assets --out $OUT/mc > $OUT/memcheck-log.txt 2>&1
   echo "memcheck rc=$? at $((SECONDS-T0)) s"; tail -12 $OUT/memcheck-log.txt
-  # bf16 has its figures on both cards (runs 71-73 on H200s, 116 on an H100); fp8 has none on an H200
-  EXTRA="--set 'quantization=\"fp8\"'"
-  left=$((565 - SECONDS + T0)); echo "engine ($EXTRA) with $left s"
-  eval timeout $left python3 benchmarks/gpu_engine.py --tokenizer .bench_assets --set mixed_graph_tokens=512 $EXTRA --engine-process separate --think-ms 0 --skip-probes --out $OUT/eo > $OUT/engine-log.txt 2>&1
-  echo "engine rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/engine-log.txt
-elif [ "$mode" = answers ]; then
+  # then the engine in fp8: bf16 has its figures on both cards (runs 71-73 on H200s, 116 on an H100), fp8 none on an H200
+  mode=engine; set -- --set 'quantization="fp8"'
+fi
+if [ "$mode" = answers ]; then
   left=$((565 - SECONDS + T0))
   timeout $left python3 benchmarks/gpu_answers_check.py --tokenizer .bench_assets --out $OUT/ac "$@" > $OUT/answers-log.txt 2>&1
   echo "answers rc=$? at $((SECONDS-T0)) s"; grep -v "Loading weights\|Writing model" $OUT/answers-log.txt | tail -30
@@ -43,6 +41,6 @@ elif [ "$mode" = stack ]; then
   timeout $left python3 benchmarks/gpu_stack.py --tokenizer .bench_assets --concurrency 32 64 --steady-rounds 10 --set mixed_graph_tokens=512 "$@" --http-proxy haproxy --ingress direct --think-ms 0 --clients bare --out $OUT/eo > $OUT/stack-log.txt 2>&1
   echo "stack rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/stack-log.txt
 fi
-[ "$mode" = first ] || [ "$mode" = engine ] && mkdir -p /tmp/seekserve-bench/last_engine && cp $OUT/eo/gpu_engine*.json /tmp/seekserve-bench/last_engine/ 2>/dev/null
+[ "$mode" = engine ] && mkdir -p /tmp/seekserve-bench/last_engine && cp $OUT/eo/gpu_engine*.json /tmp/seekserve-bench/last_engine/ 2>/dev/null
 python3 benchmarks/inductor_cache.py pack --out $OUT/ic 2>&1 | tail -2
 echo "all done at $((SECONDS-T0)) s"

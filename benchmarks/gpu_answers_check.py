@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import random
 import statistics
@@ -55,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import QWEN7B, save_with_tokenizer  # noqa: E402
+from benchmarks.gpu_memory_check import collect  # noqa: E402
 
 LAYERS = 4
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -123,16 +123,14 @@ def schedule(max_prompt: int, known: int, seed: int = 0) -> list[tuple[float, li
             for t, n in zip(arrivals, lengths)]
 
 
-def build_model(path: Path, tokenizer_dir: Path, device: str, config: dict) -> None:
+def build_model(path: Path, tokenizer_dir: Path, known: int, device: str, config: dict) -> None:
     """The random model (transformers' own initialisation: norms at 1, so the next token depends on the context;
-    a sharper LM head) saved in bf16 with the tokenizer; ids past the tokenizer's never win (zero rows)."""
+    a sharper LM head) saved in bf16 with the tokenizer; ids past the tokenizer's ``known`` never win (zero rows)."""
     import torch
-    from tokenizers import Tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if (path / "config.json").exists() and list(path.glob("*.safetensors")):
         return
-    known = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     cfg = Qwen2Config(**{"vocab_size": max(known, config.pop("vocab_size", known)), **config})
     torch.manual_seed(0)
     with torch.device(device):
@@ -145,7 +143,7 @@ def build_model(path: Path, tokenizer_dir: Path, device: str, config: dict) -> N
         model.lm_head.weight[known:].zero_()
     save_with_tokenizer(model, path, tokenizer_dir)
     del model
-    gc.collect()
+    collect()
 
 
 def engine_options(model_dir: Path, device: str, dtype: str, quantization: str, fast: bool,
@@ -192,13 +190,7 @@ async def answers(opts: dict, load: list[tuple[float, list[int]]], top2: bool) -
     finally:
         await eng.shutdown()
         eng = None  # the next engine starts with this one's memory given back (gpu_memory_check.py, run 119)
-        gc.collect()
-        try:
-            import torch
-
-            torch.cuda.empty_cache()
-        except Exception:  # noqa: BLE001 — no CUDA
-            pass
+        collect()
     return list(got), passes
 
 
@@ -207,11 +199,11 @@ async def run(args) -> list[dict]:
 
     device = args.device
     config = {**QWEN7B, "num_hidden_layers": LAYERS} if args.model_config == "7b-4layer" else dict(TINY)
-    model_dir = Path(args.work) / f"answers-{args.model_config}"
-    build_model(model_dir, Path(args.tokenizer), device, config)
     from tokenizers import Tokenizer
 
     known = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json")).get_vocab_size()
+    model_dir = Path(args.work) / f"answers-{args.model_config}"
+    build_model(model_dir, Path(args.tokenizer), known, device, config)
     max_model_len = args.max_model_len
     load = schedule(max_model_len - OUTPUT_TOKENS - 1, known)
     rows = []

@@ -3,7 +3,6 @@ take the plain path) with and without a fault put into the path only its fast en
 
 import argparse
 import asyncio
-import shutil
 
 import pytest
 
@@ -54,22 +53,16 @@ def test_the_load_bursts_then_trickles_with_lengths_scaled_to_the_context():
 
 
 def _args(tmp_path, embedded_model_dir, cases):
-    tok = tmp_path / "tok"
-    tok.mkdir()
-    for f in embedded_model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, tok / f.name)
-    return argparse.Namespace(tokenizer=str(tok), work=str(tmp_path), device="cpu", model_config="tiny",
-                              max_model_len=256, cases=cases, out=str(tmp_path / "out"))
+    # SmolLM2's directory as the tokenizer: the script reads its tokenizer.json and copies only its tokenizer files
+    return argparse.Namespace(tokenizer=str(embedded_model_dir), work=str(tmp_path), device="cpu",
+                              model_config="tiny", max_model_len=256, cases=cases, out=str(tmp_path / "out"))
 
 
 def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_computes_otherwise(
         tmp_path, embedded_model_dir, monkeypatch):
-    from pathlib import Path
-
     import serve_app.engines.fused as fused
 
-    args = _args(tmp_path, Path(embedded_model_dir), ["float32"])
+    args = _args(tmp_path, embedded_model_dir, ["float32"])
     rows = asyncio.run(run(args))
     assert rows[0]["ok"] and rows[0]["identical"] == rows[0]["requests"] == 56, rows[0]["failures"]
     assert rows[0]["distinct_tokens_per_answer_median"] > 8  # the random model's answers depend on the context
