@@ -1,5 +1,7 @@
 #!/bin/bash
-# One device call of issue #8's GPU work, carrying [".raybundle", ".inductor_cache"]:
+# One device call of issue #8's GPU work, carrying [".raybundle", ".inductor_cache"] (stack), or
+# [".enginebundle", ".inductor_cache"] for the other modes: Ray's 46 MB, the cache and the tracked tree are over
+# the 64 MiB a call carries (ray_bundle.py --engine-only builds .enginebundle: no Ray, 2.5 MB):
 #   bash benchmarks/device_call.sh first          # the KV memory check, then the engine in fp8 (scales in the
 #                                                 # epilogue, the default), then the cache packed
 #   bash benchmarks/device_call.sh answers [--cases ...]          # the fast paths' answers against eager ones
@@ -14,8 +16,9 @@ T0=$SECONDS
 nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,power.limit --format=csv
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/seekserve-bench/inductor
 mkdir -p /tmp/site /tmp/seekserve-bench $OUT/mc $OUT/eo .bench_assets
-if [ ! -f /tmp/site/.done ]; then
-  tar -xJf .raybundle/bench_assets.tar.xz -C .bench_assets && tar -xJf .raybundle/site.tar.xz -C /tmp/site && touch /tmp/site/.done
+B=.raybundle; [ -f $B/site.tar.xz ] || B=.enginebundle
+if [ ! -f /tmp/site/.done-$B ]; then
+  tar -xJf $B/bench_assets.tar.xz -C .bench_assets && tar -xJf $B/site.tar.xz -C /tmp/site && touch /tmp/site/.done-$B
   python3 benchmarks/inductor_cache.py unpack --parts .inductor_cache 2>&1 | tail -2
 fi
 export PYTHONPATH=/tmp/site:$PWD

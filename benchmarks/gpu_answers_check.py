@@ -18,20 +18,30 @@ passes, rows joining and leaving the buckets, slots reused once all 32 have
 been taken), prompts of 3 to 1,500 tokens.
 
 - the reference: eager, unfused, uncaptured (``cuda_graphs`` and both
-  compiles off), asking for the top-2 log-probabilities of every token;
+  compiles off), asking for the top-5 log-probabilities of every token;
 - the engine as the benchmarks run it: fused projections, compiled decode
   and prefill, CUDA graphs, one-prompt prefill graphs, mixed passes of up to
   512 tokens.
 
 A request passes if its tokens are the reference's, or if they first part
-where the reference's top two were within ``tie_nats`` of each other and it
-took the second (a rounding difference, not a fault); and over the tokens
-they share, each token's log-probability is within ``logprob_nats`` of the
-reference's. float32 is held to 1e-3 nats, so any fault of slots, positions or
-buffers shows; bf16 and FP8 (the same quantized weights in both engines) to
-looser bounds, and their rows report how often and how early answers part.
-A last case runs float32 again with chunked prefill (``mixed_chunk_tokens``,
-opt-in), whose later chunks take a masked pass of their own.
+where the engine's pick was among the reference's top five and within
+``tie_nats`` of the reference's pick (a rounding difference, not a fault: the
+rule of vLLM's ``check_logprobs_close``, with a bound on the gap); and over
+the tokens they share, each token's log-probability is within
+``logprob_nats`` of the reference's. The float32 cases are held to 1e-3
+nats, so any fault of slots, positions or buffers shows; "fp8-float32" runs
+the FP8 layers (the same e4m3 weights and activations) with float32 around
+them, so the FP8 path's own faults show at 1e-2. bf16 and FP8 in bf16 differ
+between the engines by design: torch.compile keeps a fused kernel's
+intermediates in float32 where eager rounds them to bf16, and an e4m3
+activation rounds on a 12.5 % grid, so a bf16 rounding moved across a grid
+line moves that element by 12.5 % (run 127: shared tokens 0.23 nats apart in
+bf16, 1.02 in FP8; answers part after a median 11 and 1 tokens, since a
+random model's top few logits lie within tenths of a nat). Those two cases
+catch gross faults only; their rows report how often and how early answers
+part. A last case runs float32 again with chunked prefill
+(``mixed_chunk_tokens``, opt-in), whose later chunks take a masked pass of
+their own.
 
 Prints a table last and writes gpu_answers_check.json; exit 1 if any case
 fails. ``--device cpu --model-config tiny`` runs the same script on the CPU box
@@ -62,14 +72,20 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             tie_word_embeddings=False)
 OUTPUT_TOKENS = 48
 LOGIT_STD = 3.0
+# the reference's top-k per token: where the engine parts from it, its pick must be among these (vLLM's tests use 5)
+TOP_K = 5
 # case -> (dtype, quantization, tie_nats, logprob_nats, chunked); in the order a call cut short should keep them
 CASES = {
     "float32": ("float32", "none", 1e-3, 1e-3, False),
+    # the FP8 layers with float32 around them: e4m3 rounds the same values the same way in both engines, but for
+    # the rare element a float32 reduction order moves across a grid line (~1e-6 of them: one element 12.5 %
+    # off, ~0.2 % of one projection's output); a wrong scale or row moves logits by nats
+    "fp8-float32": ("float32", "fp8", 1e-2, 1e-2, False),
     # bf16 rounds a logit of ~12 (LOGIT_STD 3, the top of 49k) to 0.06, and the two engines round at different
-    # places: these bounds pass that noise and fail gross faults (another request's keys and values); the
-    # float32 cases, at 1e-3, are the ones that see a small one
+    # places: these bounds pass that noise and fail gross faults (another request's keys and values)
     "bf16": ("bfloat16", "none", 0.5, 0.5, False),
-    "fp8": ("bfloat16", "fp8", 1.0, 1.0, False),
+    # e4m3's grid magnifies those bf16 differences (module docstring): 2 nats, set after run 127 measured 1.02
+    "fp8": ("bfloat16", "fp8", 2.0, 2.0, False),
     # chunked prefill (opt-in): a prompt's later chunks attend over its slot through their own masked pass
     "float32-chunks": ("float32", "none", 1e-3, 1e-3, True),
 }
@@ -79,35 +95,42 @@ CASES = {
 class Answer:
     tokens: list[int]
     logprobs: list[float]
-    top2: list[list[tuple[int, float]]] | None  # per token, the reference's two likeliest (id, logprob)
+    top: list[list[tuple[int, float]]] | None  # per token, the reference's TOP_K likeliest (id, logprob)
 
 
 def compare(ref: Answer, got: Answer, tie_nats: float, logprob_nats: float) -> dict:
-    """One request's verdict: where ``got`` first parts from ``ref``, whether that is a tie of the reference's
-    top two, and the largest log-probability difference over the tokens they share."""
+    """One request's verdict: where ``got`` first parts from ``ref``, whether its pick there was among the
+    reference's top-k and within ``tie_nats`` of the reference's pick, and the largest log-probability
+    difference over the tokens they share."""
     shared = 0
     for a, b in zip(ref.tokens, got.tokens):
         if a != b:
             break
         shared += 1
     max_dlp = max((abs(a - b) for a, b in zip(ref.logprobs[:shared], got.logprobs[:shared])), default=0.0)
-    out = {"shared": shared, "length": len(ref.tokens), "max_dlogprob": max_dlp, "parted_at_gap": None}
+    out = {"shared": shared, "length": len(ref.tokens), "max_dlogprob": max_dlp, "parted_at_gap": None,
+           "parted_at_rank": None}
     if len(got.tokens) != len(ref.tokens):
         return {**out, "ok": False, "why": f"{len(got.tokens)} tokens against the reference's {len(ref.tokens)}"}
     if max_dlp > logprob_nats:
         return {**out, "ok": False, "why": f"a shared token's logprob differs by {max_dlp:.3g} nats"}
     if shared == len(ref.tokens):
         return {**out, "ok": True, "why": "identical"}
-    # the reference's pick and its runner-up (with an exact tie the listing's order is arbitrary, the pick not)
-    took = ref.tokens[shared]
-    top = dict(ref.top2[shared])
-    other_id, other_lp = max(((t, lp) for t, lp in top.items() if t != took), key=lambda kv: kv[1])
-    gap = top.get(took, ref.logprobs[shared]) - other_lp
+    took, picked = ref.tokens[shared], got.tokens[shared]
+    ranked = ref.top[shared]
+    top = dict(ranked)
+    if picked not in top:
+        return {**out, "ok": False, "why": f"parted at token {shared}: took {picked}, not among the reference's "
+                                          f"top {len(ranked)} (it took {took})"}
+    # the reference's pick by its own logprob: with an exact tie the listing's order is arbitrary, the pick not
+    gap = top.get(took, ref.logprobs[shared]) - top[picked]
     out["parted_at_gap"] = gap
-    if got.tokens[shared] == other_id and gap <= tie_nats:
-        return {**out, "ok": True, "why": f"parted at token {shared}, a tie ({gap:.3g} nats)"}
-    return {**out, "ok": False, "why": f"parted at token {shared}: took {got.tokens[shared]}, the reference "
-                                      f"{took} ({gap:.3g} nats ahead of {other_id})"}
+    out["parted_at_rank"] = 1 + sum(lp > top[picked] or (lp == top[picked] and t == took) for t, lp in ranked)
+    if gap <= tie_nats:
+        return {**out, "ok": True, "why": f"parted at token {shared}, to the reference's #{out['parted_at_rank']} "
+                                          f"({gap:.3g} nats behind)"}
+    return {**out, "ok": False, "why": f"parted at token {shared}: took {picked}, the reference {took} "
+                                      f"({gap:.3g} nats ahead)"}
 
 
 def schedule(max_prompt: int, known: int, seed: int = 0) -> list[tuple[float, list[int]]]:
@@ -159,7 +182,7 @@ def engine_options(model_dir: Path, device: str, dtype: str, quantization: str, 
             "compile_prefill": False, "prefill_graph_tokens": 0, "mixed_graph_tokens": 0}
 
 
-async def answers(opts: dict, load: list[tuple[float, list[int]]], top2: bool) -> tuple[list[Answer], dict]:
+async def answers(opts: dict, load: list[tuple[float, list[int]]], top: bool) -> tuple[list[Answer], dict]:
     """Every request's answer from one engine under ``load``, and the engine's pass counts."""
     from serve_app.engines.base import GenerationRequest, SamplingParams
     from serve_app.engines.registry import create_engine
@@ -171,14 +194,14 @@ async def answers(opts: dict, load: list[tuple[float, list[int]]], top2: bool) -
 
     async def one(i: int, at: float, ids: list[int]) -> Answer:
         await asyncio.sleep(at)
-        sp = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True, top_logprobs=2 if top2 else 0)
+        sp = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True, top_logprobs=TOP_K if top else 0)
         toks, lps, tops = [], [], []
         async for c in eng.generate(GenerationRequest(f"r{i}", ids, sp)):
             toks += c.token_ids
             lps += c.logprobs
             if c.top_logprobs is not None:
                 tops += [sorted(d.items(), key=lambda kv: -kv[1]) for d in c.top_logprobs]
-        return Answer(toks, lps, tops if top2 else None)
+        return Answer(toks, lps, tops if top else None)
 
     try:
         got = await asyncio.gather(*(one(i, at, ids) for i, (at, ids) in enumerate(load)))
@@ -224,9 +247,9 @@ async def run(args) -> list[dict]:
         t0 = time.perf_counter()
         try:
             ref, ref_passes = await answers(engine_options(model_dir, device, dtype, quant, False, max_model_len),
-                                            load, top2=True)
+                                            load, top=True)
             fast, fast_passes = await answers(engine_options(model_dir, device, dtype, quant, True, max_model_len,
-                                                             chunked), load, top2=False)
+                                                             chunked), load, top=False)
         except Exception as e:  # noqa: BLE001 — the case reports it
             rows.append({"case": name, "ok": False, "error": repr(e)[:600]})
             print(f"FAIL {name}: {e!r}"[:700], flush=True)
@@ -238,14 +261,14 @@ async def run(args) -> list[dict]:
         distinct = statistics.median(len(set(a.tokens)) for a in ref)
         row = {"case": name, "ok": not bad, "dtype": dtype, "quantization": quant, "tie_nats": tie,
                "logprob_nats": lp_tol, "requests": len(load), "identical": len(verdicts) - len(parted),
-               "parted_at_ties": sum(v["ok"] and v["shared"] < v["length"] for v in verdicts), "failed": len(bad),
+               "parted_ok": sum(v["ok"] and v["shared"] < v["length"] for v in verdicts), "failed": len(bad),
                "first_parting_median": statistics.median(parted) if parted else None,
                "max_dlogprob": max(v["max_dlogprob"] for v in verdicts),
                "distinct_tokens_per_answer_median": distinct, "reference": ref_passes, "fast": fast_passes,
                "seconds": round(time.perf_counter() - t0, 1), "failures": bad[:8], "verdicts": verdicts}
         rows.append(row)
         print(f"{'ok  ' if row['ok'] else 'FAIL'} {name}: {row['identical']}/{len(load)} identical, "
-              f"{row['parted_at_ties']} parted at ties, {len(bad)} failed; max dlogprob {row['max_dlogprob']:.2g}; "
+              f"{row['parted_ok']} parted within bounds, {len(bad)} failed; max dlogprob {row['max_dlogprob']:.2g}; "
               f"fast passes {fast_passes}", flush=True)
         for b in bad[:4]:
             print(f"     request {b['request']} ({b['prompt_tokens']} prompt tokens): {b['why']}", flush=True)
@@ -266,11 +289,13 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = asyncio.run(run(args))
     print(f"\n{rows[-1]['device']}, model {rows[-1]['model']}; {time.perf_counter() - t0:.0f} s")
-    print(f"{'case':<16}{'result':<8}{'identical':>10}{'at ties':>9}{'failed':>8}{'max dlogprob':>14}")
+    print(f"{'case':<16}{'result':<8}{'identical':>10}{'parted ok':>10}{'failed':>8}{'1st parting':>12}"
+          f"{'max dlogprob':>14}")
     for r in rows[:-1]:
         if "identical" in r:
-            print(f"{r['case']:<16}{'ok' if r['ok'] else 'FAIL':<8}{r['identical']:>10}{r['parted_at_ties']:>9}"
-                  f"{r['failed']:>8}{r['max_dlogprob']:>14.2g}")
+            first = "-" if r["first_parting_median"] is None else f"{r['first_parting_median']:g}"
+            print(f"{r['case']:<16}{'ok' if r['ok'] else 'FAIL':<8}{r['identical']:>10}{r['parted_ok']:>10}"
+                  f"{r['failed']:>8}{first:>12}{r['max_dlogprob']:>14.2g}")
         else:
             print(f"{r['case']:<16}{'ok' if r['ok'] else 'FAIL':<8}{r.get('skipped') or r.get('error', '')}")
     sys.exit(0 if all(r["ok"] for r in rows[:-1]) else 1)

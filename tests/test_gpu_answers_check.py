@@ -10,8 +10,9 @@ from benchmarks.gpu_answers_check import Answer, compare, run, schedule
 
 
 def _ref(tokens, gaps):
-    # the reference's pick at each position, and a runner-up `gap` nats behind it
-    return Answer(tokens, [-1.0] * len(tokens), [[(t, -1.0), (t + 1, -1.0 - g)] for t, g in zip(tokens, gaps)])
+    # the reference's pick at each position, a runner-up `gap` nats behind it and a third `gap` + 0.1 behind
+    return Answer(tokens, [-1.0] * len(tokens),
+                  [[(t, -1.0), (t + 1, -1.0 - g), (t + 2, -1.1 - g)] for t, g in zip(tokens, gaps)])
 
 
 def test_identical_answers_pass():
@@ -20,15 +21,25 @@ def test_identical_answers_pass():
     assert v["ok"] and v["shared"] == 3 and v["why"] == "identical"
 
 
-def test_parting_at_a_tie_to_the_runner_up_passes_and_anywhere_else_fails():
+def test_parting_within_the_bound_to_a_listed_token_passes_and_anywhere_else_fails():
     ref = _ref([5, 6, 7, 8], [0.5, 0.0004, 0.5, 0.5])
     tie = compare(ref, Answer([5, 7, 1, 1], [-1.0] * 4, None), tie_nats=1e-3, logprob_nats=1e-3)
     assert tie["ok"] and tie["shared"] == 1 and tie["parted_at_gap"] == pytest.approx(0.0004)
-    # the same place, but to a token that was not the runner-up
-    assert not compare(ref, Answer([5, 9, 1, 1], [-1.0] * 4, None), 1e-3, 1e-3)["ok"]
+    assert tie["parted_at_rank"] == 2
+    # the same place, but to a token the reference did not list among its likeliest
+    unlisted = compare(ref, Answer([5, 9, 1, 1], [-1.0] * 4, None), 1e-3, 1e-3)
+    assert not unlisted["ok"] and "not among the reference's top 3" in unlisted["why"]
     # the runner-up, but where the reference was sure
     sure = compare(ref, Answer([5, 6, 8, 1], [-1.0] * 4, None), 1e-3, 1e-3)
     assert not sure["ok"] and "0.5 nats ahead" in sure["why"]
+
+
+def test_a_pick_below_the_runner_up_passes_when_within_the_bound():
+    # bf16 on run 127: the engine took the reference's third, 0.06 nats behind its pick
+    ref = _ref([5, 6], [0.02, 0.5])
+    third = compare(ref, Answer([7, 1], [-1.0] * 2, None), tie_nats=0.5, logprob_nats=0.5)
+    assert third["ok"] and third["parted_at_rank"] == 3 and third["parted_at_gap"] == pytest.approx(0.12)
+    assert not compare(ref, Answer([7, 1], [-1.0] * 2, None), tie_nats=0.1, logprob_nats=0.5)["ok"]
 
 
 def test_an_exact_tie_is_judged_from_the_reference_pick_not_the_listing_order():
@@ -82,7 +93,7 @@ def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_compute
     assert any("logprob differs" in f["why"] or "parted at token" in f["why"] for f in rows[0]["failures"])
 
 
-@pytest.mark.parametrize("case", ["float32", "bf16", "fp8", "float32-chunks"])
+@pytest.mark.parametrize("case", ["float32", "fp8-float32", "bf16", "fp8", "float32-chunks"])
 def test_every_case_s_engines_are_valid_gpu_configurations(case):
     # a configuration the engine refuses would cost a device call to find out
     from pathlib import Path
