@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.gpu_answers_check import Answer, compare, run, schedule
+from benchmarks.gpu_answers_check import Answer, compare, run, schedule, truth_verdict
 
 
 def _ref(tokens, gaps):
@@ -93,7 +93,47 @@ def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_compute
     assert any("logprob differs" in f["why"] or "parted at token" in f["why"] for f in rows[0]["failures"])
 
 
-@pytest.mark.parametrize("case", ["float32", "fp8-float32", "bf16", "fp8", "float32-chunks"])
+def test_bf16_is_judged_against_the_float32_truth_and_fails_a_gross_fault(tmp_path, embedded_model_dir,
+                                                                          monkeypatch):
+    import serve_app.engines.fused as fused
+
+    args = _args(tmp_path, embedded_model_dir, ["bf16"])
+    row = asyncio.run(run(args))[0]
+    assert row["ok"], row["against_truth"]
+    # bf16 keeps the truth's tokens a while, but not all of them (or the check would see nothing)
+    assert 5 < row["against_truth"]["eager"]["shared_mean"] < 48
+
+    real = fused.fuse_projections
+
+    def faulty(model):
+        out = real(model)
+        model.model.layers[1].mlp.down_proj.weight.data.mul_(1.5)
+        return out
+
+    monkeypatch.setattr(fused, "fuse_projections", faulty)
+    row = asyncio.run(run(args))[0]
+    assert not row["ok"] and "fewer of the truth's tokens" in row["against_truth"]["why"]
+
+
+def _close(shared, outside=None, length_ok=True):
+    outside = outside or [False] * len(shared)
+    return [{"shared": s, "outside": o, "max_dlogprob": 0.1, "length_ok": length_ok} for s, o in zip(shared, outside)]
+
+
+def test_against_the_truth_the_fast_engine_fails_only_when_significantly_farther_than_eager():
+    eager = _close([10, 12, 8, 11] * 10)
+    assert truth_verdict(eager, _close([11, 11, 8, 10] * 10))["ok"]  # as close, give or take
+    worse = truth_verdict(eager, _close([5, 6, 4, 5] * 10))
+    assert not worse["ok"] and "fewer of the truth's tokens" in worse["why"]
+    # noisy requests: a mean one token lower is within three standard errors
+    noisy_eager = _close([0, 40, 2, 30] * 10)
+    assert truth_verdict(noisy_eager, _close([40, 0, 30, 0] * 10))["ok"]
+    outside = truth_verdict(eager, _close([10, 12, 8, 11] * 10, [True, True, False, False] * 10))
+    assert not outside["ok"] and "outside the truth's top 5" in outside["why"]
+    assert not truth_verdict(eager, _close([10, 12, 8, 11] * 10, length_ok=False))["ok"]
+
+
+@pytest.mark.parametrize("case", ["float32", "bf16", "fp8", "float32-chunks"])
 def test_every_case_s_engines_are_valid_gpu_configurations(case):
     # a configuration the engine refuses would cost a device call to find out
     from pathlib import Path
