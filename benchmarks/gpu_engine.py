@@ -98,13 +98,15 @@ def save_with_tokenizer(model, path: Path, tokenizer_dir: Path) -> None:
 
 
 def bench_options(work: Path, tokenizer: str | None, model: str | None = None, device: str = "cuda",
-                  kv_cache: str = "auto") -> tuple[dict, float | None]:
+                  kv_cache: str = "auto", max_positions: int | None = None) -> tuple[dict, float | None]:
     """(engine options, seconds the model took to build) as both GPU benchmarks run: the random 7B, built
     under ``work`` on first use (None for a given ``model``, e.g. embedded:smollm2-135m-instruct with device
-    cpu: the scripts' check on the CPU box)."""
+    cpu: the scripts' check on the CPU box). ``max_positions``: the model's max_position_embeddings instead of
+    4,096 (DeepSeek-R1-Distill-Qwen-7B's is 131,072), for a max_model_len past 4,096."""
     if model is None:
-        model_dir = Path(work) / "qwen2-7b-random"
-        return engine_options(model_dir, kv_cache), build_model_dir(model_dir, Path(tokenizer))
+        extra = {"max_position_embeddings": max_positions} if max_positions else {}
+        model_dir = Path(work) / ("qwen2-7b-random" + (f"-pos{max_positions}" if max_positions else ""))
+        return engine_options(model_dir, kv_cache), build_model_dir(model_dir, Path(tokenizer), **extra)
     opts = {**engine_options(Path("unused"), kv_cache), "model": model, "device": device, "dtype": "auto",
             "max_model_len": 1024}
     if device == "cpu":
@@ -139,7 +141,8 @@ async def run(args) -> dict:
 
     from serve_app.engines.registry import create_engine
 
-    options, build_s = bench_options(args.work, args.tokenizer, args.model, args.device, args.kv_cache)
+    options, build_s = bench_options(args.work, args.tokenizer, args.model, args.device, args.kv_cache,
+                                     args.max_positions)
     options.update(dict(args.set))
     t0 = time.perf_counter()
     # the child (separate) compiles and captures before it reports ready, as in a replica
@@ -687,6 +690,9 @@ def main() -> None:
                         "engine options only: the decoder's slots. switches live in the child)")
     p.add_argument("--model", default=None, help="a model instead of the random 7B (the script's check on the CPU)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--max-positions", type=int, default=None,
+                   help="the random 7B's max_position_embeddings (default 4,096), e.g. 131072 with --set "
+                        "max_model_len=8192 for configs/gpu-7b.yaml's spans")
     p.add_argument("--compare", action="append", type=_options, metavar="KEY=JSON[,KEY=JSON]",
                    help="scheduling options for another pair of concurrent runs on the same engine "
                         f"(repeatable); default: {', '.join(compare_tag(c) for c in DEFAULT_COMPARE)} inline, "
