@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.engines.memory import Budget, KVLayout, check_static, check_tokens, device_budget
-from serve_app.errors import KVCacheTooLargeError
+from serve_app.errors import EngineNotReadyError, KVCacheTooLargeError
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +159,17 @@ async def test_an_engine_refuses_a_static_cache_the_host_cannot_hold_before_allo
         await eng.start()
     if process == "separate":
         assert await asyncio.to_thread(eng._proc.wait, 15) == 1
+
+
+@pytest.mark.asyncio
+async def test_an_engine_refuses_a_max_model_len_past_the_model_s_positions(embedded_model_dir):
+    from serve_app.engines.registry import create_engine
+
+    # SmolLM2 has 8,192 positions; until 2026-12-06 the engine cut 16,384 to 8,192 without a word
+    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 2, "max_model_len": 16384}, process="inline")
+    with pytest.raises(EngineNotReadyError, match=r"max_model_len 16384 is longer than .*max_position_embeddings "
+                                                  r"\(8192\).*set max_model_len <= 8192"):
+        await eng.start()
 
 
 @pytest.mark.asyncio
@@ -327,6 +338,14 @@ def test_the_gpu_example_config_fits_the_gpu_it_names_and_not_half_of_one(tmp_pa
     assert float(row[8]) == pytest.approx(64 * 8193 * 28 * 2 * 4 * 128 * 2 / 1e9, abs=0.01)
     assert main(["config", "memory", str(path), "--gpu-memory-gib", "40"]) == 1
     assert _suggested(capsys.readouterr().err, "max_model_len") < 8192
+
+    # a checkpoint of 4,096 positions (the benchmarks' random 7B) cannot take the file's 8,192: refused, as the
+    # engine would refuse it at start
+    _header_only_checkpoint(tmp_path / "short", **QWEN7B)
+    cfg["models"][0]["variants"][0]["engine"]["options"]["model"] = str(tmp_path / "short")
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["config", "memory", str(path), "--gpu-memory-gib", "79.6"]) == 1
+    assert "max_position_embeddings (4096)" in capsys.readouterr().err
 
     # the FP8 canary example: both variants fit, the canary's decoder linears at a byte a weight
     cfg = yaml.safe_load((ROOT / "configs" / "gpu-7b-fp8-canary.yaml").read_text())

@@ -40,7 +40,7 @@ from serve_app.errors import (
 from .base import Engine, EngineChunk, EngineStats, GenerationRequest, ends_stream, handout_order
 from .hf_batch import LocalRunner, resolve_device_dtype
 from .launch_timing import GapMeter, PassTimer, PassTimes, launch_wait_s, pass_label
-from .memory import KVLayout, check_static, check_tokens, device_budget, padded_peak_tokens
+from .memory import KVLayout, check_static, check_tokens, device_budget, long_context_error, padded_peak_tokens
 from .options import HFEngineOptions
 from .prefill_policy import PrefillContext, hold_prefill
 from .textproc import IncrementalDetokenizer, StopStringFilter
@@ -250,6 +250,10 @@ class HFEngine(HFTokenization, Engine):
             self.model.eval()
             cfg, gen_cfg = self.model.config, self.model.generation_config
         model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        if opts.max_model_len and opts.max_model_len > model_len:
+            # as vLLM refuses it: positions past the model's were never trained, and a silent cut to model_len
+            # would leave a replica that refuses the prompts its configuration promised
+            raise EngineNotReadyError(long_context_error(opts.max_model_len, model_len, opts.model))
         self._max_model_len = min(opts.max_model_len or model_len, model_len, opts.max_kv_tokens)
         eos = set()
         gen_eos = getattr(gen_cfg, "eos_token_id", None)

@@ -208,6 +208,13 @@ class MemoryPlan:
     error: str | None  # the engine's own KVCacheTooLargeError message, if it would refuse to start
 
 
+def long_context_error(max_model_len: int, model_len: int, model: str) -> str:
+    """Why an engine refuses a max_model_len past the model's max_position_embeddings (the engine's start and
+    `config memory` say the same)."""
+    return (f"max_model_len {max_model_len} is longer than {model}'s max_position_embeddings ({model_len}): "
+            f"positions past it were never trained; set max_model_len <= {model_len}")
+
+
 def plan_hf(options, config, weights: WeightCount, gpu_bytes: int, tensor_parallel_size: int = 1) -> MemoryPlan:
     """What an hf engine with ``options`` (HFEngineOptions) would hold on each of ``tensor_parallel_size`` GPUs
     of ``gpu_bytes``, and whether its start-up check would pass. The CUDA context (~0.5 GB) and any other
@@ -224,7 +231,11 @@ def plan_hf(options, config, weights: WeightCount, gpu_bytes: int, tensor_parall
     model_len = int(getattr(cfg, "max_position_embeddings", 2048))
     max_len = min(options.max_model_len or model_len, model_len, options.max_kv_tokens)
     error = None
-    if options.resolved_kv_cache("cuda") == "static":
+    if options.max_model_len and options.max_model_len > model_len:
+        error = long_context_error(options.max_model_len, model_len, options.model)
+    if error is not None:
+        what, kv_bytes = "none: the engine would not start", 0
+    elif options.resolved_kv_cache("cuda") == "static":
         spare = 1 if options.cuda_graphs and options.compile_decode else 0
         what = f"static {options.max_num_seqs} x {max_len + spare}"
         kv_bytes = layout.bytes_per_token * options.max_num_seqs * (max_len + spare)
