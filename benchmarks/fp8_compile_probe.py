@@ -20,7 +20,8 @@ Then the same at the model's scale: a 4-layer model of the 7B's shape
 variant's log-probabilities at each position against eager, unfused,
 unquantized's and against eager FP8 unfused's: eager or torch.compile
 (dynamic shapes, as the engine compiles), fused projections or not, FP8 or
-not.
+not; and eager with its embeddings scaled by 1 + 2^-20, a rounding-sized
+change, without and with FP8 (how far e4m3's grid carries such a change).
 
 Prints a table last and writes fp8_compile_probe.json.
 """
@@ -111,9 +112,12 @@ def model_probe(device: str, layers: int = 4, prompt: int = 64) -> list[dict]:
         base.lm_head.weight.normal_(0.0, 3.0 / cfg.hidden_size ** 0.5)
     ids = torch.randint(100, 49000, (1, prompt), device=device)
 
-    def logprobs(fuse: bool, fp8: bool, compiled: bool):
+    def logprobs(fuse: bool, fp8: bool, compiled: bool, perturb: bool = False):
         torch._dynamo.reset()
         m = copy.deepcopy(base)
+        if perturb:
+            with torch.no_grad():
+                m.model.embed_tokens.weight.mul_(1 + 2 ** -20)
         if fuse:
             fuse_projections(m)
         if fp8:
@@ -127,18 +131,19 @@ def model_probe(device: str, layers: int = 4, prompt: int = 64) -> list[dict]:
     plain = logprobs(False, False, False)
     fp8_eager = logprobs(False, True, False)
     rows = []
-    for fp8 in (False, True):
-        for fuse in (False, True):
-            for compiled in (False, True):
-                lp = logprobs(fuse, fp8, compiled)
-                against = fp8_eager if fp8 else plain
-                d = (lp - against).abs()
-                rows.append({"fp8": fp8, "fused": fuse, "compiled": compiled,
-                             "max_dlogprob_vs_eager": float(d.max()),
-                             "top1_agree_vs_eager": float((lp.argmax(-1) == against.argmax(-1)).float().mean()),
-                             "max_dlogprob_vs_unquantized": float((lp - plain).abs().max()),
-                             "top1_agree_vs_unquantized": float((lp.argmax(-1) == plain.argmax(-1)).float().mean())})
-                print(json.dumps(rows[-1]), flush=True)
+    # the eight variants, then eager nudged by a rounding-sized change upstream of every layer, without and with FP8
+    variants = [(fp8, fuse, compiled, False) for fp8 in (False, True) for fuse in (False, True)
+                for compiled in (False, True)] + [(False, False, False, True), (True, False, False, True)]
+    for fp8, fuse, compiled, perturb in variants:
+        lp = logprobs(fuse, fp8, compiled, perturb)
+        against = fp8_eager if fp8 else plain
+        d = (lp - against).abs()
+        rows.append({"fp8": fp8, "fused": fuse, "compiled": compiled, "nudged": perturb,
+                     "max_dlogprob_vs_eager": float(d.max()),
+                     "top1_agree_vs_eager": float((lp.argmax(-1) == against.argmax(-1)).float().mean()),
+                     "max_dlogprob_vs_unquantized": float((lp - plain).abs().max()),
+                     "top1_agree_vs_unquantized": float((lp.argmax(-1) == plain.argmax(-1)).float().mean())})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -172,11 +177,13 @@ def main() -> None:
         else:
             print(f"{r['dtype']:<10}{r['scales']:<10}" + "".join(
                 f"{r.get(k, float('nan')):>16.3g}" for k in keys))
-    print("\n4-layer model, float32, 64-token prompt: each variant against eager unfused (FP8 rows: eager FP8)")
-    print(f"{'fp8':<6}{'fused':<7}{'compiled':<10}{'max dlp':>10}{'top1 agree':>12}{'max dlp vs fp32':>17}"
+    print("\n4-layer model, float32, 64-token prompt: each variant against eager unfused (FP8 rows: eager FP8); "
+          "'nudged': eager, embeddings x (1 + 2^-20)")
+    print(f"{'fp8':<6}{'fused':<7}{'compiled':<10}{'nudged':<8}{'max dlp':>10}{'top1 agree':>12}{'max dlp vs fp32':>17}"
           f"{'top1 vs fp32':>14}")
     for r in models:
-        print(f"{r['fp8']!s:<6}{r['fused']!s:<7}{r['compiled']!s:<10}{r['max_dlogprob_vs_eager']:>10.3g}"
+        print(f"{r['fp8']!s:<6}{r['fused']!s:<7}{r['compiled']!s:<10}{r['nudged']!s:<8}"
+              f"{r['max_dlogprob_vs_eager']:>10.3g}"
               f"{r['top1_agree_vs_eager']:>12.3f}{r['max_dlogprob_vs_unquantized']:>17.3g}"
               f"{r['top1_agree_vs_unquantized']:>14.3f}")
 

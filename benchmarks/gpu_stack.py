@@ -565,6 +565,8 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/seekserve-bench")
     p.add_argument("--model", default=None, help="serve this model instead of the random 7B (e.g. embedded:...)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--max-positions", type=int, default=None,
+                   help="the random 7B's max_position_embeddings, as gpu_engine.py's (with --set max_model_len=8192)")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
@@ -623,7 +625,7 @@ def main() -> None:
     # one Inductor cache for every Ray this run starts, so a second deployment's compile hits it
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(args.work) / "inductor"))
 
-    opts, build_s = bench_options(args.work, args.tokenizer, args.model, args.device)
+    opts, build_s = bench_options(args.work, args.tokenizer, args.model, args.device, max_positions=args.max_positions)
     opts.update(dict(args.set))
     gpus = 1 if args.device == "cuda" else 0
 
