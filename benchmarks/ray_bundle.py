@@ -18,9 +18,10 @@ and carry `.raybundle` in the call.
 
 packs only what the engine alone needs (gpu_engine.py, gpu_answers_check.py,
 gpu_memory_check.py: pydantic and gguf, no Ray) as .enginebundle/site.tar.xz,
-about 5 MB instead of 46. Why: the carry limit counts the tracked tree too, and
-Ray's 46 MB beside the compile cache (.inductor_cache, 17 MB) and the tree
-(12 MB) is over 64 MiB, while an engine run needs the cache and not Ray.
+2.1 MB instead of 46. Why: the carry limit counts the tracked tree too, and
+Ray's 46 MB beside the compile cache (.inductor_cache: 17-30 MB as the device
+packs it) and the tree (12 MB) is over 64 MiB, while an engine run needs the
+cache and not Ray.
 """
 
 from __future__ import annotations

@@ -170,6 +170,7 @@ async def test_an_engine_refuses_a_max_model_len_past_the_model_s_positions(embe
     with pytest.raises(EngineNotReadyError, match=r"max_model_len 16384 is longer than .*max_position_embeddings "
                                                   r"\(8192\).*set max_model_len <= 8192"):
         await eng.start()
+    assert getattr(eng, "model", None) is None  # refused from the config, before the weights were loaded
 
 
 @pytest.mark.asyncio

@@ -222,12 +222,17 @@ class HFEngine(HFTokenization, Engine):
             torch.set_num_threads(os.cpu_count() or 1)
         model_dir = resolve_model_dir(opts.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        if opts.max_model_len and opts.max_model_len > model_len:
+            # refused as vLLM refuses it, before minutes of loading: positions past the model's were never
+            # trained, and a silent cut to model_len would leave a replica refusing the prompts it was set up for
+            raise EngineNotReadyError(long_context_error(opts.max_model_len, model_len, opts.model))
         tp = self.parallel.tensor_parallel_size
         if tp > 1:
-            from transformers import AutoConfig
-
             # the shards live in the rank workers; this process schedules and samples
-            cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
             gen_cfg = _generation_config(model_dir)
             device, dtype_name = f"{tp} ranks", opts.dtype
             self.device = torch.device("cpu")
@@ -250,10 +255,6 @@ class HFEngine(HFTokenization, Engine):
             self.model.eval()
             cfg, gen_cfg = self.model.config, self.model.generation_config
         model_len = int(getattr(cfg, "max_position_embeddings", 2048))
-        if opts.max_model_len and opts.max_model_len > model_len:
-            # as vLLM refuses it: positions past the model's were never trained, and a silent cut to model_len
-            # would leave a replica that refuses the prompts its configuration promised
-            raise EngineNotReadyError(long_context_error(opts.max_model_len, model_len, opts.model))
         self._max_model_len = min(opts.max_model_len or model_len, model_len, opts.max_kv_tokens)
         eos = set()
         gen_eos = getattr(gen_cfg, "eos_token_id", None)
