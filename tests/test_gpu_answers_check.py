@@ -69,25 +69,29 @@ def _args(tmp_path, embedded_model_dir, cases):
                               model_config="tiny", max_model_len=256, cases=cases, out=str(tmp_path / "out"))
 
 
-def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_computes_otherwise(
-        tmp_path, embedded_model_dir, monkeypatch):
+def _fault_in_the_fast_path(monkeypatch, factor):
+    """One layer's MLP output scaled by ``factor`` in a path only the fast engine takes (it fuses projections,
+    the reference does not)."""
     import serve_app.engines.fused as fused
 
+    real = fused.fuse_projections
+
+    def faulty(model):
+        out = real(model)
+        model.model.layers[1].mlp.down_proj.weight.data.mul_(factor)
+        return out
+
+    monkeypatch.setattr(fused, "fuse_projections", faulty)
+
+
+def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_computes_otherwise(
+        tmp_path, embedded_model_dir, monkeypatch):
     args = _args(tmp_path, embedded_model_dir, ["float32"])
     rows = asyncio.run(run(args))
     assert rows[0]["ok"] and rows[0]["identical"] == rows[0]["requests"] == 56, rows[0]["failures"]
     assert rows[0]["distinct_tokens_per_answer_median"] > 8  # the random model's answers depend on the context
 
-    # a fault in a path only the fast engine takes (it fuses projections, the reference does not): 1 % on one
-    # layer's MLP output
-    real = fused.fuse_projections
-
-    def faulty(model):
-        out = real(model)
-        model.model.layers[1].mlp.down_proj.weight.data.mul_(1.01)
-        return out
-
-    monkeypatch.setattr(fused, "fuse_projections", faulty)
+    _fault_in_the_fast_path(monkeypatch, 1.01)
     rows = asyncio.run(run(args))
     assert not rows[0]["ok"] and rows[0]["failed"] > 0
     assert any("logprob differs" in f["why"] or "parted at token" in f["why"] for f in rows[0]["failures"])
@@ -95,22 +99,13 @@ def test_the_script_passes_engines_that_agree_and_fails_a_fast_path_that_compute
 
 def test_bf16_is_judged_against_the_float32_truth_and_fails_a_gross_fault(tmp_path, embedded_model_dir,
                                                                           monkeypatch):
-    import serve_app.engines.fused as fused
-
     args = _args(tmp_path, embedded_model_dir, ["bf16"])
     row = asyncio.run(run(args))[0]
     assert row["ok"], row["against_truth"]
     # bf16 keeps the truth's tokens a while, but not all of them (or the check would see nothing)
     assert 5 < row["against_truth"]["eager"]["shared_mean"] < 48
 
-    real = fused.fuse_projections
-
-    def faulty(model):
-        out = real(model)
-        model.model.layers[1].mlp.down_proj.weight.data.mul_(1.5)
-        return out
-
-    monkeypatch.setattr(fused, "fuse_projections", faulty)
+    _fault_in_the_fast_path(monkeypatch, 1.5)
     row = asyncio.run(run(args))[0]
     assert not row["ok"] and "fewer of the truth's tokens" in row["against_truth"]["why"]
 
