@@ -226,10 +226,11 @@ class HFEngine(HFTokenization, Engine):
 
         cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         model_len = int(getattr(cfg, "max_position_embeddings", 2048))
-        if opts.max_model_len and opts.max_model_len > model_len:
-            # refused as vLLM refuses it, before minutes of loading: positions past the model's were never
-            # trained, and a silent cut to model_len would leave a replica refusing the prompts it was set up for
-            raise EngineNotReadyError(long_context_error(opts.max_model_len, model_len, opts.model))
+        # refused as vLLM refuses it, before minutes of loading: a silent cut to model_len would leave a replica
+        # refusing the prompts it was set up for
+        too_long = long_context_error(opts.max_model_len, model_len, opts.model)
+        if too_long:
+            raise EngineNotReadyError(too_long)
         tp = self.parallel.tensor_parallel_size
         if tp > 1:
             # the shards live in the rank workers; this process schedules and samples
@@ -254,7 +255,6 @@ class HFEngine(HFTokenization, Engine):
                 self.model.to(self.device)
             self.model.eval()
             cfg, gen_cfg = self.model.config, self.model.generation_config
-        model_len = int(getattr(cfg, "max_position_embeddings", 2048))
         self._max_model_len = min(opts.max_model_len or model_len, model_len, opts.max_kv_tokens)
         eos = set()
         gen_eos = getattr(gen_cfg, "eos_token_id", None)

@@ -208,9 +208,11 @@ class MemoryPlan:
     error: str | None  # the engine's own KVCacheTooLargeError message, if it would refuse to start
 
 
-def long_context_error(max_model_len: int, model_len: int, model: str) -> str:
-    """Why an engine refuses a max_model_len past the model's max_position_embeddings (the engine's start and
-    `config memory` say the same)."""
+def long_context_error(max_model_len: int | None, model_len: int, model: str) -> str | None:
+    """Why an engine refuses a max_model_len past the model's max_position_embeddings, or None if it does not
+    (the engine's start and `config memory` both ask here)."""
+    if not max_model_len or max_model_len <= model_len:
+        return None
     return (f"max_model_len {max_model_len} is longer than {model}'s max_position_embeddings ({model_len}): "
             f"positions past it were never trained; set max_model_len <= {model_len}")
 
@@ -230,9 +232,7 @@ def plan_hf(options, config, weights: WeightCount, gpu_bytes: int, tensor_parall
     budget = gpu_budget(gpu_bytes - weights_bytes, gpu_bytes, weights_bytes, options.gpu_memory_utilization)
     model_len = int(getattr(cfg, "max_position_embeddings", 2048))
     max_len = min(options.max_model_len or model_len, model_len, options.max_kv_tokens)
-    error = None
-    if options.max_model_len and options.max_model_len > model_len:
-        error = long_context_error(options.max_model_len, model_len, options.model)
+    error = long_context_error(options.max_model_len, model_len, options.model)
     if error is not None:
         what, kv_bytes = "none: the engine would not start", 0
     elif options.resolved_kv_cache("cuda") == "static":
