@@ -155,6 +155,17 @@ def test_the_stack_report_gives_the_ttfts_quartiles_and_the_median_after_the_fir
     assert "not comparable" in out
 
 
+def test_the_stack_report_gives_the_mean_ttft_beside_a_median_between_the_humps(monkeypatch, capsys):
+    # the thirty-fifth session's run 136 (docs/gpu_notes.md, an H100): at 64 x 10 the median moved +17.2 ms and
+    # the mean +7.5
+    out = stack_report(monkeypatch, capsys, "gpu_engine-h100-2026-12-06-7a40643-AY-mixed512-bf16-separate-2.json",
+                       "gpu_stack-h100-2026-12-06-7a40643-AY-mixed512-bf16-haproxy-direct-shared-think0-bare-3.json",
+                       extra=("--think-ms", "0"))
+    assert "+17.2 ms (<= 5 ms)" in out
+    assert "TTFT mean (ms): stack 91.3, engine 83.8 (+7.5 ms)" in out
+    assert "TTFT mean (ms): stack 29.5, engine 27.7 (+1.8 ms)" in out  # at 32
+
+
 def test_the_stack_report_gives_each_clients_loads_against_one_engine(monkeypatch, capsys):
     # the twenty-sixth session's runs 102-103 (docs/benchmarks.md, on an H100): httpx then the bare client, then
     # the other order, each client's loads against the same engine column
