@@ -44,6 +44,14 @@ MIXED_PRICES = {"step": {1: 4.69, 8: 4.80, 16: 5.04, 32: 5.39, 64: 5.85},
                 "prefill": {1: 12.59, 4: 39.32, 16: 153.39},
                 "mixed": {16: 13.29, 32: 15.81, 64: 16.73}}
 
+# 2026-12-06 (docs/gpu_notes.md runs 132-136), an H100 (machine AY): the engine's own pass times under run 132's
+# loads (gpu_pass_ms, means over each kind), the four-prompt pass dearer per prompt (44.43 / 4 = 11.1 ms) than a
+# prompt's share of a mixed pass (17.59 - 7.50 = 10.1), where on the H200 above it is the cheaper (9.8 against 10.9)
+H100_PRICES = {"step": {1: 5.81, 2: 5.78, 8: 6.07, 16: 6.25, 32: 6.67, 48: 7.28, 64: 7.50},
+               "prefill": {1: 11.21, 2: 24.07, 3: 34.00, 4: 44.43, 16: 4 * 44.43},
+               "mixed": {16: 13.76, 32: 14.66, 64: 17.59}}
+CARD_PRICES = {"h200": MIXED_PRICES, "h100": H100_PRICES}
+
 
 def interp(table: dict[int, float], x: int) -> float:
     xs = sorted(table)
@@ -76,7 +84,8 @@ def simulate(conc: int, rounds: int, wait_steps: int, prompt: int = 512, output:
     `prices`: pass times (ms) by rows or prompts, {"step", "prefill"[, "mixed"]}; with "mixed", one admitted
     prompt and the running rows' decode step are one pass (MIXED_PRICES). Default: STEP_MS and PREFILL_MS.
     `one_per_mixed`: with mixed prices, admit one prompt per pass while rows decode (a variant of the loop
-    the engine does not have: there a pass takes every waiting prompt up to max_prefill_tokens).
+    the engine has as mixed_one_prompt_per_pass, off by default: else a pass takes every waiting prompt up to
+    max_prefill_tokens).
     `think_ms`: each stream also pauses before each request after its first, as gpu_engine.py's --think-ms
     (the same pauses, benchmarks.gpu_engine.think_times)."""
     from benchmarks.gpu_engine import think_times
@@ -170,9 +179,9 @@ def old_first_waves(prompts_before: int, prompt: int = 512) -> dict[int, list[fl
 
 def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: list[int],
                         mixed: bool = False, steady_rounds: int = 10, one_per_mixed: bool = False,
-                        think_ms: list[float] = (0.0,)) -> None:
+                        think_ms: list[float] = (0.0,), card: str = "h200") -> None:
     """What holding prompts does to TTFT when the next requests come back through a stack (jittered).
-    `mixed`: priced as the engine with mixed passes (MIXED_PRICES), with a `steady_rounds` load too."""
+    `mixed`: priced as the engine with mixed passes on `card` (CARD_PRICES), with a `steady_rounds` load too."""
     from benchmarks.gpu_engine import first_wave_arrivals
 
     loads = [(32, 3), (64, 3)] + ([(64, steady_rounds)] if mixed and steady_rounds else [])
@@ -182,14 +191,15 @@ def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: 
             for conc, rounds in loads:
                 for w in waits:
                     r = simulate(conc, rounds, w, arrivals=first_wave_arrivals(conc),
-                                 return_delay_s=(lo / 1000, hi / 1000), prices=MIXED_PRICES if mixed else None,
+                                 return_delay_s=(lo / 1000, hi / 1000), prices=CARD_PRICES[card] if mixed else None,
                                  one_per_mixed=one_per_mixed, think_ms=think)
                     rows.append({"return_delay_ms": [lo, hi], "think_ms": think, **r})
-    name = ("prefill_hold_sim_return_delay" + ("_mixed" if mixed else "") + ("_one_per_pass" if one_per_mixed else "")
-            + ("_think" if any(think_ms) else "") + ".json")
+    name = ("prefill_hold_sim_return_delay" + ("_mixed" if mixed else "") + ("_h100" if mixed and card == "h100" else "")
+            + ("_one_per_pass" if one_per_mixed else "") + ("_think" if any(think_ms) else "") + ".json")
     (out / name).write_text(json.dumps(rows, indent=2))
+    priced = {"h200": "mixed passes priced by runs 71 and 73 (H200)", "h100": "mixed passes priced by run 132 (H100)"}
     print(f"model (not a measurement), min running 0.5, today's first wave, "
-          f"{'mixed passes priced by runs 71 and 73' if mixed else 'no mixed passes'}"
+          f"{priced[card] if mixed else 'no mixed passes'}"
           f"{', one prompt per mixed pass' if one_per_mixed else ''}")
     print(f"{'think ms':>8}  {'return delay ms':<16}{'load':>8}{'wait':>5}{'tok/s':>8}{'in flight':>10}"
           f"{'TTFT p50':>10}{'p95':>7}{'prefill':>8}")
@@ -274,10 +284,15 @@ def main() -> None:
                    help="with --return-delay-ms: each stream's mean pause before each request after its first, "
                         "as gpu_engine.py's --think-ms (comma-separated values, each a set of rows)")
     p.add_argument("--one-per-mixed", action="store_true",
-                   help="with --mixed: model a loop that admits one prompt per pass while rows decode")
+                   help="with --mixed: model a loop that admits one prompt per pass while rows decode (the "
+                        "engine's mixed_one_prompt_per_pass)")
+    p.add_argument("--card", choices=sorted(CARD_PRICES), default="h200",
+                   help="with --mixed and --return-delay-ms: whose measured pass times price the passes")
     args = p.parse_args()
     if args.one_per_mixed and not args.mixed:
         p.error("--one-per-mixed models mixed passes: it needs --mixed")
+    if args.card != "h200" and not (args.mixed and args.return_delay_ms):
+        p.error("--card prices the mixed passes of the return-delay report: it needs --mixed and --return-delay-ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.schedules:
@@ -290,7 +305,7 @@ def main() -> None:
         return_delay_report(out, [tuple(float(x) for x in d.split(",")) for d in args.return_delay_ms],
                             [int(x) for x in args.waits.split(",")], mixed=args.mixed,
                             steady_rounds=args.steady_rounds, one_per_mixed=args.one_per_mixed,
-                            think_ms=[float(x) for x in args.think_ms.split(",")])
+                            think_ms=[float(x) for x in args.think_ms.split(",")], card=args.card)
         return
     if args.mixed:
         mixed_holds_report(out, [int(x) for x in args.waits.split(",")],

@@ -402,6 +402,45 @@ async def test_a_mixed_pass_hands_out_its_first_token_before_its_rows(embedded_m
         await eng.shutdown()
 
 
+async def test_prompts_that_wait_together_go_one_per_mixed_pass_when_asked(embedded_model_dir):
+    # mixed_one_prompt_per_pass: prompts that wait together are taken one per mixed pass with the rows' decode
+    # step instead of into one prefill pass that stalls the rows; the answers are the same either way
+    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512, "kv_cache": "static"})
+    await eng.start()
+    try:
+        eng._slots.mixed_graph_tokens = 128
+        eng._slots.capture_mixed_graphs()
+        eng.options.mixed_graph_tokens = 128
+        prompts = [eng.encode_chat([{"role": "user", "content": q}]) for q in
+                   ("What is the capital of France?", "Name three colours.", "Count to five.")]
+
+        async def together(tag):
+            noise = asyncio.create_task(run(eng, f"{tag}-noise", prompts[1], temperature=1.0, max_tokens=80,
+                                            ignore_eos=True))
+            start = eng.stats().forward_passes
+            while eng.stats().forward_passes < start + 3:  # the sampled row decodes
+                await asyncio.sleep(0.002)
+            before = eng.stats()
+            # one turn of this loop submits all three (the engine takes its inbox between passes): they wait
+            # together
+            got = await asyncio.gather(*[run(eng, f"{tag}{i}", p, temperature=0, max_tokens=16)
+                                         for i, p in enumerate(prompts)])
+            after = eng.stats()
+            await noise
+            return ([ids_of(c) for c in got], after.prefill_passes - before.prefill_passes,
+                    after.mixed_passes - before.mixed_passes)
+
+        apart, passes, mixed = await together("all")
+        assert passes < len(prompts) and mixed < len(prompts)  # a pass of several prompts
+        eng.update_options({"mixed_one_prompt_per_pass": True})  # as a benchmark's --compare switches it
+        one, passes, mixed = await together("one")
+        assert one == apart
+        assert passes == mixed == len(prompts)  # each in its own mixed pass
+        assert eng.stats().num_running == 0 and eng.stats().kv_cache_usage == 0.0
+    finally:
+        await eng.shutdown()
+
+
 async def test_prompts_prefilled_in_chunks_inside_the_decode_steps_change_no_answer(embedded_model_dir):
     # chunked prefill (mixed_chunk_tokens): each prompt goes into its slot 64 tokens per mixed pass, the running
     # rows decoding in the same passes; the answers must be those of whole-prompt passes, every chunk must be one

@@ -53,6 +53,18 @@ def test_the_engine_option_holds_only_when_set():
         HFEngineOptions(max_prefill_wait_steps=-1)
 
 
+def test_one_prompt_per_mixed_pass_needs_mixed_passes():
+    from serve_app.engines.options import HFEngineOptions
+
+    assert HFEngineOptions().mixed_one_prompt_per_pass is False
+    with pytest.raises(ValueError, match="set mixed_graph_tokens"):
+        HFEngineOptions(mixed_one_prompt_per_pass=True)
+    opts = HFEngineOptions(mixed_graph_tokens=512, mixed_one_prompt_per_pass=True)
+    with pytest.raises(ValueError, match="set mixed_graph_tokens"):  # and nothing is left half-applied
+        opts.mixed_graph_tokens = 0
+    assert opts.mixed_graph_tokens == 512
+
+
 def test_chunked_prefill_needs_whole_captured_lengths_and_mixed_passes_that_long():
     from serve_app.engines.options import HFEngineOptions
 

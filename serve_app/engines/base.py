@@ -259,7 +259,8 @@ class Engine(abc.ABC):
     def update_options(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Changes options on the live engine, validated with the rest first: a bad key or value raises
         :class:`~serve_app.errors.InvalidRequestError` and changes nothing. Returns the values as set. Only
-        options the backend reads while it runs take effect (hf's ``launch_lead_ms``); those read at start
+        options the backend reads while it runs take effect (hf's ``launch_lead_ms``,
+        ``mixed_one_prompt_per_pass``); those read at start
         (graphs, cache sizes) keep what they did then. For a benchmark's compare on one live deployment."""
         try:
             checked = type(self.options).model_validate({**self.options.model_dump(), **changes})

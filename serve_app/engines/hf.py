@@ -621,7 +621,9 @@ class HFEngine(HFTokenization, Engine):
             max_rows=opts.max_num_seqs, min_running=opts.prefill_hold_min_running))
         return held
 
-    def _admit(self) -> list[_Seq]:
+    def _admit(self, limit: int | None = None) -> list[_Seq]:
+        """The waiting prompts for the next prefill, in arrival order: all that fit one pass
+        (max_prefill_tokens) and the free rows, or at most ``limit``."""
         new: list[_Seq] = []
         if self._hold_prefill():
             return new
@@ -629,6 +631,8 @@ class HFEngine(HFTokenization, Engine):
         longest = 0
         opts = self.options
         while self._waiting and self._room_for(self._waiting[0], len(self._running) + len(new), rows):
+            if limit is not None and len(new) >= limit:
+                break
             seq = self._waiting[0]
             n = len(seq.req.prompt_token_ids)
             if new and (len(new) + 1) * max(longest, n) > opts.max_prefill_tokens:
@@ -681,7 +685,7 @@ class HFEngine(HFTokenization, Engine):
             self._chunked = None
         if self._chunked is not None or self._start_chunked():
             return self._chunk_static()
-        new = self._admit()
+        new = self._admit(limit=1 if self._one_prompt_mixed() else None)
         if new and self._mixed_static(new):
             return
         if new:
@@ -780,17 +784,34 @@ class HFEngine(HFTokenization, Engine):
             seq.prefilling = False
         self._after_mixed(key, busy, rows, step, prompt_logits, [seq] if end == len(prompt) else [], began)
 
+    def _mixed_key_for(self, seq: _Seq, busy: list[_Seq]):
+        """The captured mixed pass that takes ``seq``'s whole prompt with the decode step of ``busy``, or None
+        (no rows decode, one samples on the host, or no pass covers them)."""
+        if not busy or not all(s.fast_sampling for s in busy):
+            return None
+        rows, span = self._rows_and_span(busy)
+        return self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, span)
+
+    def _one_prompt_mixed(self) -> bool:
+        """mixed_one_prompt_per_pass: whether only the first waiting prompt is admitted, into a mixed pass with
+        the rows' decode step, while others wait for the next passes. Why: a pass of several prompts stalls every
+        decoding row for its whole length, and a prompt's first token waits for all of it; one prompt per mixed
+        pass keeps the rows stepping (docs/gpu_notes.md, the loop model of runs 75 and 137)."""
+        if not self.options.mixed_one_prompt_per_pass or len(self._waiting) < 2:
+            return False
+        return self._mixed_key_for(self._waiting[0], self._decoding()) is not None
+
     def _mixed_static(self, new: list[_Seq]) -> bool:
         """One new prompt and the running rows' decode step in one captured pass (SlotDecoder.mixed), if one
         covers them; False leaves both to the separate passes."""
         busy = self._decoding()
-        if len(new) != 1 or not busy or not all(s.fast_sampling for s in busy):
+        if len(new) != 1:
             return False
-        rows, span = self._rows_and_span(busy)
         seq = new[0]
-        key = self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, span)
+        key = self._mixed_key_for(seq, busy)
         if key is None:
             return False
+        rows, _ = self._rows_and_span(busy)
         self._start_static(new)
         began = self._timed_event()
         prompt_logits, step = self._slots.mixed(key, seq.req.prompt_token_ids, seq.slot, self._pad_id)

@@ -174,6 +174,18 @@ class HFEngineOptions(StrictModel):
         "p50 32 against 49 ms but p95 221 against 92; at 32 concurrent p95 48 against 88 (docs/gpu_notes.md "
         "runs 67-69); so off unless long prompts stall the streams.",
     )
+    mixed_one_prompt_per_pass: bool = Field(
+        False,
+        description="CUDA-graph decode, with mixed_graph_tokens: while rows decode and several prompts wait, admit "
+        "only the first into a mixed pass with the rows' decode step (the next ones in the passes after it), "
+        "instead of every waiting prompt into one prefill pass that stalls the rows for its whole length. A "
+        "prompt no captured mixed pass covers, or rows that sample on the host, keep the multi-prompt pass. "
+        "Not measured on a GPU; the loop model priced with each card's measured passes (docs/gpu_notes.md run "
+        "137, benchmarks/prefill_hold_sim.py) gives at 64 concurrent x 10 requests +3 % tok/s and TTFT p50 34 "
+        "-> 18 ms on an H100, whose four-prompt pass costs more per prompt (11.1 ms) than a prompt's share of a "
+        "mixed pass (10.1), and -2 % tok/s with TTFT p50 30 -> 17 ms on an H200, where the four-prompt pass is "
+        "the cheaper (9.8 against 10.9); off until measured.",
+    )
     launch_lead_ms: float | None = Field(
         1.0, ge=0.0, le=1000.0,
         description="CUDA-graph decode: launch the next pass this many ms before the pass the GPU runs is "
@@ -213,6 +225,9 @@ class HFEngineOptions(StrictModel):
             if self.mixed_chunk_tokens > self.mixed_graph_tokens:
                 raise ValueError(f"mixed_chunk_tokens ({self.mixed_chunk_tokens}) needs mixed passes of that many "
                                  f"prompt tokens: mixed_graph_tokens is {self.mixed_graph_tokens}")
+        if self.mixed_one_prompt_per_pass and not self.mixed_graph_tokens:
+            raise ValueError("mixed_one_prompt_per_pass admits prompts into mixed passes: set mixed_graph_tokens "
+                             "(it is 0)")
         # a value check, not "was it set": options travel as dumps (to the engine's process, to the ranks), and a
         # dump names every field; the default is what a dump of an unquantized engine carries
         if self.fp8_scales != "epilogue" and self.quantization != "fp8":
