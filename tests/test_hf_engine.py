@@ -1,6 +1,7 @@
 """The transformers engine on the real SmolLM2, without Ray."""
 
 import asyncio
+import contextlib
 
 import pytest
 import pytest_asyncio
@@ -355,15 +356,25 @@ async def test_a_step_hands_out_starting_then_ending_streams_then_the_rest_each_
     assert [x[1] for x in order] == [outbox[i][1] for i in (2, 6, 1, 3, 4, 0, 5)]
 
 
+@contextlib.asynccontextmanager
+async def mixed_engine(mixed_tokens: int = 128):
+    """A static-slot engine on the CPU with mixed passes for prompts of up to ``mixed_tokens`` tokens (captured
+    graphs on a GPU; on the CPU the same pass runs directly)."""
+    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512, "kv_cache": "static"})
+    await eng.start()
+    try:
+        eng._slots.mixed_graph_tokens = mixed_tokens
+        eng._slots.capture_mixed_graphs()
+        yield eng
+    finally:
+        await eng.shutdown()
+
+
 async def test_a_mixed_pass_hands_out_its_first_token_before_its_rows(embedded_model_dir):
     # every hop from the engine to the client (the engine thread, the engine process's relay, the replica, the
     # HTTP stream) takes a pass's chunks in the order the engine hands them out; a new prompt's first token
     # behind the 63 rows of its pass would wait for their work at each hop, so it goes first
-    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512, "kv_cache": "static"})
-    await eng.start()
-    try:
-        eng._slots.mixed_graph_tokens = 128
-        eng._slots.capture_mixed_graphs()
+    async with mixed_engine() as eng:
         log = HandOutLog()
         ids = eng.encode_chat([{"role": "user", "content": "Name three colours."}])
         loop = asyncio.get_running_loop()
@@ -398,19 +409,13 @@ async def test_a_mixed_pass_hands_out_its_first_token_before_its_rows(embedded_m
         for rid in rows:
             await eng.abort(rid)
         await until(rows)
-    finally:
-        await eng.shutdown()
 
 
 async def test_prompts_that_wait_together_go_one_per_mixed_pass_when_asked(embedded_model_dir):
     # mixed_one_prompt_per_pass: prompts that wait together are taken one per mixed pass with the rows' decode
     # step instead of into one prefill pass that stalls the rows; the answers are the same either way
-    eng = create_engine("hf", {"device": "cpu", "max_num_seqs": 6, "max_model_len": 512, "kv_cache": "static"})
-    await eng.start()
-    try:
-        eng._slots.mixed_graph_tokens = 128
-        eng._slots.capture_mixed_graphs()
-        eng.options.mixed_graph_tokens = 128
+    async with mixed_engine() as eng:
+        eng.options.mixed_graph_tokens = 128  # the option needs it (the helper set the decoder's)
         prompts = [eng.encode_chat([{"role": "user", "content": q}]) for q in
                    ("What is the capital of France?", "Name three colours.", "Count to five.")]
 
@@ -437,8 +442,6 @@ async def test_prompts_that_wait_together_go_one_per_mixed_pass_when_asked(embed
         assert one == apart
         assert passes == mixed == len(prompts)  # each in its own mixed pass
         assert eng.stats().num_running == 0 and eng.stats().kv_cache_usage == 0.0
-    finally:
-        await eng.shutdown()
 
 
 async def test_prompts_prefilled_in_chunks_inside_the_decode_steps_change_no_answer(embedded_model_dir):
