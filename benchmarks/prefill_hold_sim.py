@@ -46,9 +46,10 @@ MIXED_PRICES = {"step": {1: 4.69, 8: 4.80, 16: 5.04, 32: 5.39, 64: 5.85},
 
 # 2026-12-06 (docs/gpu_notes.md runs 132-136), an H100 (machine AY): the engine's own pass times under run 132's
 # loads (gpu_pass_ms, means over each kind), the four-prompt pass dearer per prompt (44.43 / 4 = 11.1 ms) than a
-# prompt's share of a mixed pass (17.59 - 7.50 = 10.1), where on the H200 above it is the cheaper (9.8 against 10.9)
+# prompt's share of a mixed pass (17.59 - 7.50 = 10.1), where on the H200 above it is the cheaper (9.8 against 10.9).
+# Only what AY measured: passes of more than four prompts (max_prefill_tokens past 2,048) extrapolate from 3-4
 H100_PRICES = {"step": {1: 5.81, 2: 5.78, 8: 6.07, 16: 6.25, 32: 6.67, 48: 7.28, 64: 7.50},
-               "prefill": {1: 11.21, 2: 24.07, 3: 34.00, 4: 44.43, 16: 4 * 44.43},
+               "prefill": {1: 11.21, 2: 24.07, 3: 34.00, 4: 44.43},
                "mixed": {16: 13.76, 32: 14.66, 64: 17.59}}
 CARD_PRICES = {"h200": MIXED_PRICES, "h100": H100_PRICES}
 
