@@ -785,12 +785,13 @@ class HFEngine(HFTokenization, Engine):
         self._after_mixed(key, busy, rows, step, prompt_logits, [seq] if end == len(prompt) else [], began)
 
     def _mixed_key_for(self, seq: _Seq, busy: list[_Seq]):
-        """The captured mixed pass that takes ``seq``'s whole prompt with the decode step of ``busy``, or None
-        (no rows decode, one samples on the host, or no pass covers them)."""
+        """(the captured mixed pass that takes ``seq``'s whole prompt with the decode step of ``busy``, the rows it
+        steps), or None (no rows decode, one samples on the host, or no pass covers them)."""
         if not busy or not all(s.fast_sampling for s in busy):
             return None
         rows, span = self._rows_and_span(busy)
-        return self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, span)
+        key = self._slots.mixed_key(len(seq.req.prompt_token_ids), rows, span)
+        return None if key is None else (key, rows)
 
     def _one_prompt_mixed(self) -> bool:
         """mixed_one_prompt_per_pass: whether only the first waiting prompt is admitted, into a mixed pass with
@@ -808,10 +809,10 @@ class HFEngine(HFTokenization, Engine):
         if len(new) != 1:
             return False
         seq = new[0]
-        key = self._mixed_key_for(seq, busy)
-        if key is None:
+        found = self._mixed_key_for(seq, busy)
+        if found is None:
             return False
-        rows, _ = self._rows_and_span(busy)
+        key, rows = found
         self._start_static(new)
         began = self._timed_event()
         prompt_logits, step = self._slots.mixed(key, seq.req.prompt_token_ids, seq.slot, self._pad_id)
