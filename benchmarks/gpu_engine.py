@@ -4,7 +4,8 @@ shape: Qwen2, hidden 3584, 28 layers, 28 heads, 4 KV heads, ffn 18944, vocab
 tokens, EOS ignored).
 
     python benchmarks/gpu_engine.py --tokenizer DIR [--engine-process inline|separate] [--out DIR]
-    python benchmarks/gpu_engine.py --queue-report ENGINE_JSON...   # the engine's queue of earlier raw files
+    python benchmarks/gpu_engine.py --queue-report ENGINE_JSON...   # the engine's queue (and its first-use
+                                                                    # prefill passes) of earlier raw files
 
 Runs on the device machine (see docs/benchmarks.md for the exact call).
 Measures: single-stream decode step, throughput at 64 concurrent requests
@@ -557,7 +558,8 @@ def queue_summary(queue_s: list[float]) -> dict | None:
 def print_queue_report(files: list[str]) -> None:
     """Each raw file's loads (those under --compare changes too): TTFT p50, the engine's queue
     (:func:`queue_summary`) and the median of the rest of the first token after admission, from the
-    per-request records (also of files written before the run recorded its queue summary)."""
+    per-request records (also of files written before the run recorded its queue summary); then the
+    warm-up load's multi-prompt prefill passes against the same kinds later (:func:`first_use_line`)."""
     print(f"{'file / load':<50}{'TTFT p50':>9}{'queue p50':>10}{'p95':>7}{'<2 ms':>7}{'after p50':>10}  (ms)")
     for f in files:
         res = json.loads(Path(f).read_text())
@@ -570,6 +572,10 @@ def print_queue_report(files: list[str]) -> None:
             q = queue_summary([r[2] / 1000 for r in rows])
             print(f"{'  ' + key:<50}{percentile([r[1] for r in rows], 50):>9.1f}{q['p50_ms']:>10.1f}{q['p95_ms']:>7.1f}"
                   f"{100 * q['under_2ms_share']:>6.0f}%{percentile([r[1] - r[2] for r in rows], 50):>10.1f}")
+        first_use = first_use_line(res.get("warm_load", {}), res.get("concurrency_64_steady")
+                                   or res.get("concurrency_64", {}))
+        if first_use:
+            print(f"  multi-prompt prefill, warm-up load / later, ms: {first_use}")
 
 
 def full_window(rs: list[dict], conc: int) -> dict | None:
@@ -637,6 +643,22 @@ def pass_line(r: dict, top: int = 4) -> str | None:
         return None
     heavy = sorted(passes.items(), key=lambda kv: -kv[1]["total_ms"])[:top]
     return ", ".join(f"{label} {v['mean_ms']:.2f} ms x {v['passes']}" for label, v in heavy)
+
+
+def first_use_line(warm: dict, later: dict) -> str | None:
+    """The multi-prompt prefill passes of the warm-up load against the same kinds in a later load: mean ms
+    there and later, the count, and what the warm-up's passes cost over the later mean in all. These passes
+    are the compiled pass with dynamic shapes, not a captured graph, and every run since the per-pass sums
+    paid ~30-55 ms on the first of each prompt count (docs/gpu_notes.md, run 140), which a replica's first
+    real burst pays if its warm-up did not; the one-prompt and mixed passes are graphs and pay nothing.
+    None where either load has no per-pass times or they share no such kind."""
+    a, b = warm.get("gpu_pass") or {}, later.get("gpu_pass") or {}
+    kinds = sorted((k for k in a if k in b and k.startswith("prefill_") and k != "prefill_1p"),
+                   key=lambda k: int(k[len("prefill_"):-1]))
+    if not kinds:
+        return None
+    return ", ".join(f"{k[len('prefill_'):]} {a[k]['mean_ms']:.1f} / {b[k]['mean_ms']:.1f} x {a[k]['passes']} "
+                     f"({a[k]['passes'] * (a[k]['mean_ms'] - b[k]['mean_ms']):+.0f})" for k in kinds)
 
 
 def gpu_budget_line(r: dict) -> str | None:
@@ -712,7 +734,8 @@ def main() -> None:
                    help="no pass and graph-replay probes after the loads (inline: they take ~30 s)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "results")))
     p.add_argument("--queue-report", nargs="+", metavar="ENGINE_JSON",
-                   help="run nothing: print the engine's queue per load from these raw files' per-request records")
+                   help="run nothing: print the engine's queue per load from these raw files' per-request records, "
+                        "and the warm-up load's multi-prompt prefill passes against the later ones")
     args = p.parse_args()
     if args.queue_report:
         print_queue_report(args.queue_report)
@@ -824,6 +847,9 @@ def main() -> None:
     for key in [k for k in res if k.startswith("concurrency_")]:
         if res[key].get("prefill_eager_passes"):
             print(f"{key}: {res[key]['prefill_eager_passes']} prefill passes ran eagerly (shape not compiled)")
+    first_use = first_use_line(res.get("warm_load", {}), res.get("concurrency_64_steady") or c64)
+    if first_use:
+        print(f"{'multi-prompt prefill, warm-up load / later, ms':<34}  {first_use}")
     gc_last = c64["gc"]
     print(f"{'GC full collections / longest (ms)':<34}{gc_last['collections'][2]:>12d}{gc_last['pause_max_ms'][2]:>8.1f}"
           f"  (after the engine started, through the 64-concurrent load)")

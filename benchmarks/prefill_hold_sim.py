@@ -51,7 +51,14 @@ MIXED_PRICES = {"step": {1: 4.69, 8: 4.80, 16: 5.04, 32: 5.39, 64: 5.85},
 H100_PRICES = {"step": {1: 5.81, 2: 5.78, 8: 6.07, 16: 6.25, 32: 6.67, 48: 7.28, 64: 7.50},
                "prefill": {1: 11.21, 2: 24.07, 3: 34.00, 4: 44.43},
                "mixed": {16: 13.76, 32: 14.66, 64: 17.59}}
-CARD_PRICES = {"h200": MIXED_PRICES, "h100": H100_PRICES}
+# 2026-12-06 (docs/gpu_notes.md run 138), an H200 (machine AZ), measured as AY's above (the default arm's 32, 64 x 3
+# and 64 x 10 loads, counts pooled): its four-prompt pass under load 45.21 ms, not the 39.32 that W's passes
+# replayed alone gave MIXED_PRICES, so per prompt (11.3) it costs more than a prompt's share of a mixed pass
+# (16.22 - 5.94 = 10.3), as on the H100
+H200_AZ_PRICES = {"step": {1: 4.72, 2: 4.69, 8: 4.85, 16: 5.02, 32: 5.43, 48: 5.79, 64: 5.94},
+                  "prefill": {1: 11.21, 2: 24.63, 3: 34.57, 4: 45.21},
+                  "mixed": {16: 13.12, 32: 15.84, 64: 16.22}}
+CARD_PRICES = {"h200": MIXED_PRICES, "h100": H100_PRICES, "h200-az": H200_AZ_PRICES}
 
 
 def interp(table: dict[int, float], x: int) -> float:
@@ -195,10 +202,12 @@ def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: 
                                  return_delay_s=(lo / 1000, hi / 1000), prices=CARD_PRICES[card] if mixed else None,
                                  one_per_mixed=one_per_mixed, think_ms=think)
                     rows.append({"return_delay_ms": [lo, hi], "think_ms": think, **r})
-    name = ("prefill_hold_sim_return_delay" + ("_mixed" if mixed else "") + ("_h100" if mixed and card == "h100" else "")
+    card_tag = f"_{card.replace('-', '')}" if mixed and card != "h200" else ""
+    name = ("prefill_hold_sim_return_delay" + ("_mixed" if mixed else "") + card_tag
             + ("_one_per_pass" if one_per_mixed else "") + ("_think" if any(think_ms) else "") + ".json")
     (out / name).write_text(json.dumps(rows, indent=2))
-    priced = {"h200": "mixed passes priced by runs 71 and 73 (H200)", "h100": "mixed passes priced by run 132 (H100)"}
+    priced = {"h200": "mixed passes priced by runs 71 and 73 (H200)", "h100": "mixed passes priced by run 132 (H100)",
+              "h200-az": "mixed passes priced by run 138 (H200, machine AZ)"}
     print(f"model (not a measurement), min running 0.5, today's first wave, "
           f"{priced[card] if mixed else 'no mixed passes'}"
           f"{', one prompt per mixed pass' if one_per_mixed else ''}")

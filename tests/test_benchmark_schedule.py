@@ -1,6 +1,7 @@
 """The benchmarks' arrival schedule: the engine-alone and full-stack runs must meet the same one. And the
 stack's report of raw files, which docs/benchmarks.md's tables come from."""
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -94,6 +95,28 @@ def test_the_gpu_budget_adds_the_families_the_gaps_and_the_rest_up_to_the_loads_
 
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def test_the_first_use_line_sets_the_warm_up_loads_multi_prompt_prefills_against_the_later_ones():
+    from benchmarks.gpu_engine import first_use_line
+
+    res = json.loads((RESULTS / "gpu_engine-h200-2026-12-06-60bba96-AZ-mixed512-bf16-separate-compare-one-per-pass.json")
+                     .read_text())
+    warm, later = res["warm_load"]["gpu_pass"], res["concurrency_64_steady"]["gpu_pass"]
+    line = first_use_line(res["warm_load"], res["concurrency_64_steady"])
+    parts = line.split(", ")
+    # by prompt count; the one-prompt pass and the mixed ones are captured graphs, not this compiled pass
+    assert [p.split()[0] for p in parts] == ["2p", "3p", "4p"]
+    assert "prefill_1p" in warm and "mixed_512_r64" in warm and "1p" not in line and "mixed" not in line
+    for part in parts:
+        kind = "prefill_" + part.split()[0]
+        n, mean, later_mean = warm[kind]["passes"], warm[kind]["mean_ms"], later[kind]["mean_ms"]
+        assert part == f"{part.split()[0]} {mean:.1f} / {later_mean:.1f} x {n} ({n * (mean - later_mean):+.0f})"
+    # run 138's finding: the warm-up's one 3-prompt pass cost ~55 ms over the later ones' mean
+    assert warm["prefill_3p"]["passes"] == 1 and warm["prefill_3p"]["mean_ms"] - later["prefill_3p"]["mean_ms"] > 40
+    assert first_use_line({}, res["concurrency_64_steady"]) is None  # files before the per-pass sums, the CPU
+    assert first_use_line({"gpu_pass": {"prefill_1p": warm["prefill_1p"]}}, res["concurrency_64_steady"]) is None
+
 
 
 def stack_report(monkeypatch, capsys, engine_json: str, *stack_files: str, extra: tuple = ()) -> str:
@@ -310,6 +333,28 @@ def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
     both = simulate(**three, prices=with_mixed)
     # two waiting prompts: one prefill pass for both, or (one per pass) two mixed passes
     assert one["prefill_passes"] == both["prefill_passes"] + 1
+
+
+def test_the_h200_az_prices_are_run_138s_pass_times_pooled_over_its_three_loads():
+    from benchmarks.prefill_hold_sim import CARD_PRICES
+
+    res = json.loads((RESULTS / "gpu_engine-h200-2026-12-06-60bba96-AZ-mixed512-bf16-separate-compare-one-per-pass.json")
+                     .read_text())
+    pooled: dict[str, list[float]] = {}
+    for load in ("concurrency_32", "concurrency_64", "concurrency_64_steady"):  # the default arm's, not the compare's
+        for kind, v in res[load]["gpu_pass"].items():
+            p = pooled.setdefault(kind, [0, 0.0])
+            p[0] += v["passes"]
+            p[1] += v["total_ms"]
+    mean = {kind: total / n for kind, (n, total) in pooled.items()}
+    prices = CARD_PRICES["h200-az"]
+    assert prices["step"][1] == round(res["single"]["decode_step_ms"], 2)  # one row: the single stream's step
+    assert {r: round(mean[f"decode_r{r}"], 2) for r in prices["step"] if r > 1} == {
+        r: ms for r, ms in prices["step"].items() if r > 1}
+    assert {n: round(mean[f"prefill_{n}p"], 2) for n in prices["prefill"]} == prices["prefill"]
+    assert {r: round(mean[f"mixed_512_r{r}"], 2) for r in prices["mixed"]} == prices["mixed"]
+    # why the model's sign turned (run 138): per prompt, a four-prompt pass now costs more than a mixed pass's share
+    assert prices["prefill"][4] / 4 > prices["mixed"][64] - prices["step"][64]
 
 
 def test_relay_cpu_reads_one_threads_cpu_from_proc():

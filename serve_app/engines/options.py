@@ -180,11 +180,9 @@ class HFEngineOptions(StrictModel):
         "only the first into a mixed pass with the rows' decode step (the next ones in the passes after it), "
         "instead of every waiting prompt into one prefill pass that stalls the rows for its whole length. A "
         "prompt no captured mixed pass covers, or rows that sample on the host, keep the multi-prompt pass. "
-        "Not measured on a GPU; the loop model priced with each card's measured passes (docs/gpu_notes.md run "
-        "137, benchmarks/prefill_hold_sim.py) gives at 64 concurrent x 10 requests +3 % tok/s and TTFT p50 34 "
-        "-> 18 ms on an H100, whose four-prompt pass costs more per prompt (11.1 ms) than a prompt's share of a "
-        "mixed pass (10.1), and -2 % tok/s with TTFT p50 30 -> 17 ms on an H200, where the four-prompt pass is "
-        "the cheaper (9.8 against 10.9); off until measured.",
+        "Measured on one H200 (docs/gpu_notes.md run 138), the engine alone at 64 concurrent x 10 requests: "
+        "+1.9 % tok/s (5,094 against 4,997), TTFT p95 155 -> 73 ms and mean 77 -> 49, the median unchanged; "
+        "at 64 x 3 +1.2 % with the median 42 -> 52 ms. Off until the full stack measures it too.",
     )
     launch_lead_ms: float | None = Field(
         1.0, ge=0.0, le=1000.0,

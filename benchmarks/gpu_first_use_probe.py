@@ -1,0 +1,169 @@
+"""The first pass of each new multi-prompt prefill shape: which part of it pays the ~30-55 ms.
+
+    python benchmarks/gpu_first_use_probe.py [--device cuda|cpu] [--out DIR]
+
+Why: in every engine run since the per-pass GPU sums (docs/gpu_notes.md, runs 111-139, twelve of them on
+H100s and H200s) the warm-up load's multi-prompt prefill passes cost more than the same kinds later: the
+first pass of 2, 3 and 4 prompts of 512 tokens ~30-55 ms each over its later mean (run 138: prefill_3p once
+at 89.6 ms against 34.6). Those passes are the compiled pass with dynamic shapes, not a captured graph, so
+the first time a (prompts, length) shape runs it pays whatever is built or allocated per shape; the one-
+prompt and mixed passes are graphs captured before ready and show nothing. Run 139's stack paid it inside
+a measured load (its first 3-prompt pass, four requests ~80 ms late at 32 concurrent), which the engine
+alone had paid in its warm-up load. Which part pays decides the remedy (a backend, a warm-up, or buckets),
+so each candidate is timed alone:
+
+- ``sdpa_default`` / ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient``: the prefill's attention call
+  (slot_kv.slot_attention's: ``[n, 28, L, 128]`` queries, ``[n, 4, L, 128]`` keys and values, causal, GQA)
+  with torch's pick or one backend forced; cuDNN builds an execution graph per shape (pytorch#191576 found
+  a rebuild at ~42 ms a call), flash has nothing to build.
+- ``gemm``: the pass's four GEMM shapes at M = n x L (cuBLAS picks an algorithm per shape).
+- ``alloc``: the activations a pass of n x L tokens allocates, first from a fresh caching allocator and then
+  again after freeing them (the first needs cudaMalloc).
+
+Each arm runs in a fresh process, since every one of these caches lives as long as its process, and times
+each shape's first call and its second (host wall time to a synchronize). An arm's first shape also pays
+the process's first launch of each kernel (CUDA loads modules lazily); its later shapes are the test: a
+per-shape cost shows as a first call well over the second. The default arm also records which backend
+torch picks. Prints a table last and writes gpu_first_use_probe.json. No model, no Ray.
+On cpu (tiny shapes) it only checks that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARMS = ("sdpa_default", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "gemm", "alloc")
+# (prompts, tokens each): the benchmark's fixed 512-token prompts in passes of 2-4, and two other lengths,
+# as real prompts of mixed lengths would give
+SHAPES = ((2, 512), (3, 512), (4, 512), (2, 448), (4, 320))
+# the 7B's (DeepSeek-R1-Distill-Qwen-7B shape) heads, KV heads, head dim, hidden, ffn
+FULL_DIMS = (28, 4, 128, 3584, 18944)
+CPU_DIMS = (4, 2, 8, 32, 64)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_ms(fn, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return 1000 * (time.perf_counter() - t0)
+
+
+def _backend_names() -> dict[int, str]:
+    from torch.nn.attention import SDPBackend
+
+    return {int(v): k for k, v in SDPBackend.__members__.items()}
+
+
+def run_arm(arm: str, device: str, shapes, dims) -> dict:
+    """One arm in this (fresh) process: per shape, its first call's and second call's wall ms."""
+    import torch
+    import torch.nn.functional as F
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
+    heads, kv_heads, head_dim, hidden, ffn = dims
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.ones(1, device=device)  # the context, outside any timing
+    rows: list[dict] = []
+    for n, length in shapes:
+        row: dict = {"prompts": n, "tokens": length}
+        try:
+            if arm.startswith("sdpa_"):
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                q = torch.randn(n, heads, length, head_dim, device=device, dtype=dtype)
+                k = torch.randn(n, kv_heads, length, head_dim, device=device, dtype=dtype)
+                v = torch.randn_like(k)
+                forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                          "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}.get(arm)
+                if forced is None and device == "cuda":
+                    picked = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
+                    row["picked"] = _backend_names().get(int(picked), str(picked))
+
+                def call():
+                    if forced is None:
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    else:
+                        with sdpa_kernel(forced):
+                            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            elif arm == "gemm":
+                x = torch.randn(n * length, hidden, device=device, dtype=dtype)
+                up = torch.randn(hidden, 2 * ffn, device=device, dtype=dtype)  # gate and up, as one
+                down = torch.randn(ffn, hidden, device=device, dtype=dtype)
+                qkv = torch.randn(hidden, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+                o = torch.randn(heads * head_dim, hidden, device=device, dtype=dtype)
+                h = torch.randn(n * length, ffn, device=device, dtype=dtype)
+
+                def call():
+                    x @ qkv, x @ o, x @ up, h @ down
+            else:  # alloc
+                def call():
+                    # what one layer of the pass holds at its peak: hidden states, gate-and-up, the SiLU product
+                    held = [torch.empty(n * length, hidden, device=device, dtype=dtype),
+                            torch.empty(n * length, 2 * ffn, device=device, dtype=dtype),
+                            torch.empty(n * length, ffn, device=device, dtype=dtype)]
+                    held.clear()  # all three at once, as the pass's peak; then back to the allocator's cache
+            row["first_ms"] = round(_timed_ms(call, device), 3)
+            row["second_ms"] = round(_timed_ms(call, device), 3)
+        except (RuntimeError, NotImplementedError) as e:  # a backend that refuses a shape is a result
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return {"arm": arm, "rows": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--arm", choices=ARMS, help="run one arm in this process and print its JSON (the parent's "
+                                                "way of giving each arm a fresh process)")
+    args = p.parse_args()
+    dims = FULL_DIMS if args.device == "cuda" else CPU_DIMS
+    shapes = SHAPES if args.device == "cuda" else tuple((n, max(4, t // 64)) for n, t in SHAPES)
+    if args.arm:
+        print(json.dumps(run_arm(args.arm, args.device, shapes, dims)))
+        return
+    import torch
+
+    results: dict = {"device": args.device, "dims": dims, "torch": torch.__version__, "arms": []}
+    if args.device == "cuda":
+        results.update(gpu=torch.cuda.get_device_name(0), cudnn=torch.backends.cudnn.version())
+    for arm in ARMS:
+        proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--device", args.device],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            results["arms"].append({"arm": arm, "error": proc.stderr.strip()[-300:]})
+            continue
+        results["arms"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_first_use_probe.json").write_text(json.dumps(results, indent=2))
+    print(f"{results.get('gpu', args.device)}; torch {results['torch']}; cuDNN {results.get('cudnn', '-')}")
+    print(f"{'arm':<16}{'prompts x tokens':>18}{'first ms':>10}{'second ms':>11}  note")
+    for a in results["arms"]:
+        if "rows" not in a:
+            print(f"{a['arm']:<16}{'':>18}{'':>10}{'':>11}  failed: {a['error'][-120:]}")
+            continue
+        for r in a["rows"]:
+            shape = f"{r['prompts']} x {r['tokens']}"
+            if "error" in r:
+                print(f"{a['arm']:<16}{shape:>18}{'':>10}{'':>11}  {r['error'][:80]}")
+            else:
+                print(f"{a['arm']:<16}{shape:>18}{r['first_ms']:>10.2f}{r['second_ms']:>11.2f}  {r.get('picked', '')}")
+
+
+if __name__ == "__main__":
+    main()
