@@ -649,8 +649,8 @@ def first_use_line(warm: dict, later: dict) -> str | None:
     """The multi-prompt prefill passes of the warm-up load against the same kinds in a later load: mean ms
     there and later, the count, and what the warm-up's passes cost over the later mean in all. These passes
     are the compiled pass with dynamic shapes, not a captured graph, and every run since the per-pass sums
-    paid ~30-55 ms on the first of each prompt count (docs/gpu_notes.md, run 140), which a replica's first
-    real burst pays if its warm-up did not; the one-prompt and mixed passes are graphs and pay nothing.
+    paid +31 to +78 ms per prompt count in its warm-up load (docs/gpu_notes.md, run 140), which a replica's
+    first real burst pays if its warm-up did not; the one-prompt and mixed passes are graphs and pay nothing.
     None where either load has no per-pass times or they share no such kind."""
     a, b = warm.get("gpu_pass") or {}, later.get("gpu_pass") or {}
     kinds = sorted((k for k in a if k in b and k.startswith("prefill_") and k != "prefill_1p"),

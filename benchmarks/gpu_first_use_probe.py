@@ -1,10 +1,10 @@
-"""The first pass of each new multi-prompt prefill shape: which part of it pays the ~30-55 ms.
+"""The first pass of each new multi-prompt prefill shape: which part of it pays the 31-78 ms.
 
     python benchmarks/gpu_first_use_probe.py [--device cuda|cpu] [--out DIR]
 
 Why: in every engine run since the per-pass GPU sums (docs/gpu_notes.md, runs 111-139, twelve of them on
 H100s and H200s) the warm-up load's multi-prompt prefill passes cost more than the same kinds later: the
-first pass of 2, 3 and 4 prompts of 512 tokens ~30-55 ms each over its later mean (run 138: prefill_3p once
+passes of 2, 3 and 4 prompts of 512 tokens +31 to +78 ms per prompt count over their later mean (run 138: prefill_3p once
 at 89.6 ms against 34.6). Those passes are the compiled pass with dynamic shapes, not a captured graph, so
 the first time a (prompts, length) shape runs it pays whatever is built or allocated per shape; the one-
 prompt and mixed passes are graphs captured before ready and show nothing. Run 139's stack paid it inside
