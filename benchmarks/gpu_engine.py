@@ -572,8 +572,7 @@ def print_queue_report(files: list[str]) -> None:
             q = queue_summary([r[2] / 1000 for r in rows])
             print(f"{'  ' + key:<50}{percentile([r[1] for r in rows], 50):>9.1f}{q['p50_ms']:>10.1f}{q['p95_ms']:>7.1f}"
                   f"{100 * q['under_2ms_share']:>6.0f}%{percentile([r[1] - r[2] for r in rows], 50):>10.1f}")
-        first_use = first_use_line(res.get("warm_load", {}), res.get("concurrency_64_steady")
-                                   or res.get("concurrency_64", {}))
+        first_use = first_use_line(res)
         if first_use:
             print(f"  multi-prompt prefill, warm-up load / later, ms: {first_use}")
 
@@ -645,14 +644,15 @@ def pass_line(r: dict, top: int = 4) -> str | None:
     return ", ".join(f"{label} {v['mean_ms']:.2f} ms x {v['passes']}" for label, v in heavy)
 
 
-def first_use_line(warm: dict, later: dict) -> str | None:
-    """The multi-prompt prefill passes of the warm-up load against the same kinds in a later load: mean ms
-    there and later, the count, and what the warm-up's passes cost over the later mean in all. These passes
+def first_use_line(res: dict) -> str | None:
+    """A run's multi-prompt prefill passes in its warm-up load against the same kinds in its sustained load (its
+    64-concurrent one where it has none): mean ms there and later, the count, and what the warm-up's passes cost over the later mean in all. These passes
     are the compiled pass with dynamic shapes, not a captured graph, and every run since the per-pass sums
     paid +31 to +78 ms per prompt count in its warm-up load (docs/gpu_notes.md, run 140), which a replica's
     first real burst pays if its warm-up did not; the one-prompt and mixed passes are graphs and pay nothing.
     None where either load has no per-pass times or they share no such kind."""
-    a, b = warm.get("gpu_pass") or {}, later.get("gpu_pass") or {}
+    later = res.get("concurrency_64_steady") or res.get("concurrency_64") or {}
+    a, b = (res.get("warm_load") or {}).get("gpu_pass") or {}, later.get("gpu_pass") or {}
     kinds = sorted((k for k in a if k in b and k.startswith("prefill_") and k != "prefill_1p"),
                    key=lambda k: int(k[len("prefill_"):-1]))
     if not kinds:
@@ -847,7 +847,7 @@ def main() -> None:
     for key in [k for k in res if k.startswith("concurrency_")]:
         if res[key].get("prefill_eager_passes"):
             print(f"{key}: {res[key]['prefill_eager_passes']} prefill passes ran eagerly (shape not compiled)")
-    first_use = first_use_line(res.get("warm_load", {}), res.get("concurrency_64_steady") or c64)
+    first_use = first_use_line(res)
     if first_use:
         print(f"{'multi-prompt prefill, warm-up load / later, ms':<34}  {first_use}")
     gc_last = c64["gc"]

@@ -103,7 +103,7 @@ def test_the_first_use_line_sets_the_warm_up_loads_multi_prompt_prefills_against
     res = json.loads((RESULTS / "gpu_engine-h200-2026-12-06-60bba96-AZ-mixed512-bf16-separate-compare-one-per-pass.json")
                      .read_text())
     warm, later = res["warm_load"]["gpu_pass"], res["concurrency_64_steady"]["gpu_pass"]
-    line = first_use_line(res["warm_load"], res["concurrency_64_steady"])
+    line = first_use_line(res)
     parts = line.split(", ")
     # by prompt count; the one-prompt pass and the mixed ones are captured graphs, not this compiled pass
     assert [p.split()[0] for p in parts] == ["2p", "3p", "4p"]
@@ -114,8 +114,10 @@ def test_the_first_use_line_sets_the_warm_up_loads_multi_prompt_prefills_against
         assert part == f"{part.split()[0]} {mean:.1f} / {later_mean:.1f} x {n} ({n * (mean - later_mean):+.0f})"
     # run 138's finding: the warm-up's one 3-prompt pass cost ~55 ms over the later ones' mean
     assert warm["prefill_3p"]["passes"] == 1 and warm["prefill_3p"]["mean_ms"] - later["prefill_3p"]["mean_ms"] > 40
-    assert first_use_line({}, res["concurrency_64_steady"]) is None  # files before the per-pass sums, the CPU
-    assert first_use_line({"gpu_pass": {"prefill_1p": warm["prefill_1p"]}}, res["concurrency_64_steady"]) is None
+    steady = res["concurrency_64_steady"]
+    assert first_use_line({"concurrency_64_steady": steady}) is None  # files before the per-pass sums, the CPU
+    assert first_use_line({"warm_load": {"gpu_pass": {"prefill_1p": warm["prefill_1p"]}},
+                           "concurrency_64_steady": steady}) is None
 
 
 
