@@ -15,7 +15,8 @@ so each candidate is timed alone:
 - ``sdpa_default`` / ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient``: the prefill's attention call
   (slot_kv.slot_attention's: ``[n, 28, L, 128]`` queries, ``[n, 4, L, 128]`` keys and values, causal, GQA)
   with torch's pick or one backend forced; cuDNN builds an execution graph per shape (pytorch#191576 found
-  a rebuild at ~42 ms a call), flash has nothing to build.
+  a rebuild at ~42 ms a call), flash has nothing to build. ``sdpa_engine``: torch's pick after the engine's
+  own choice (HFEngineOptions.prompt_attention, its default 'flash': cuDNN's SDPA off in the process).
 - ``gemm``: the pass's four GEMM shapes at M = n x L (cuBLAS picks an algorithm per shape).
 - ``alloc``: the activations a pass of n x L tokens allocates, first from a fresh caching allocator and then
   again after freeing them (the first needs cudaMalloc).
@@ -37,12 +38,16 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ("sdpa_default", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "gemm", "alloc")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # serve_app, for the sdpa_engine arm run as a script
+
+ARMS = ("sdpa_default", "sdpa_engine", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "gemm", "alloc")
 # (prompts, tokens each): the benchmark's fixed 512-token prompts in passes of 2-4, and two other lengths,
 # as real prompts of mixed lengths would give
 SHAPES = ((2, 512), (3, 512), (4, 512), (2, 448), (4, 320))
 # the 7B's (DeepSeek-R1-Distill-Qwen-7B shape) heads, KV heads, head dim, hidden, ffn
 FULL_DIMS = (28, 4, 128, 3584, 18944)
+STEADY_CALLS = 20
 CPU_DIMS = (4, 2, 8, 32, 64)
 
 
@@ -77,6 +82,11 @@ def run_arm(arm: str, device: str, shapes, dims) -> dict:
     heads, kv_heads, head_dim, hidden, ffn = dims
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.ones(1, device=device)  # the context, outside any timing
+    if arm == "sdpa_engine":
+        from serve_app.engines.options import HFEngineOptions
+        from serve_app.engines.slot_kv import use_prompt_attention
+
+        use_prompt_attention(HFEngineOptions().prompt_attention, torch.device(device))
     rows: list[dict] = []
     for n, length in shapes:
         row: dict = {"prompts": n, "tokens": length}
@@ -89,7 +99,7 @@ def run_arm(arm: str, device: str, shapes, dims) -> dict:
                 v = torch.randn_like(k)
                 forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                           "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}.get(arm)
-                if forced is None and device == "cuda":
+                if forced is None and device == "cuda":  # sdpa_default, sdpa_engine
                     picked = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
                     row["picked"] = _backend_names().get(int(picked), str(picked))
 
@@ -118,6 +128,9 @@ def run_arm(arm: str, device: str, shapes, dims) -> dict:
                     held.clear()  # all three at once, as the pass's peak; then back to the allocator's cache
             row["first_ms"] = round(_timed_ms(call, device), 3)
             row["second_ms"] = round(_timed_ms(call, device), 3)
+            # the kernel's own speed, launches overlapped: whether a backend without a first-use cost is slower
+            row["steady_ms"] = round(_timed_ms(lambda: [call() for _ in range(STEADY_CALLS)], device)
+                                     / STEADY_CALLS, 4)
         except (RuntimeError, NotImplementedError) as e:  # a backend that refuses a shape is a result
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -152,17 +165,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_first_use_probe.json").write_text(json.dumps(results, indent=2))
     print(f"{results.get('gpu', args.device)}; torch {results['torch']}; cuDNN {results.get('cudnn', '-')}")
-    print(f"{'arm':<16}{'prompts x tokens':>18}{'first ms':>10}{'second ms':>11}  note")
+    print(f"{'arm':<16}{'prompts x tokens':>18}{'first ms':>10}{'second ms':>11}{'steady ms':>11}  note")
     for a in results["arms"]:
         if "rows" not in a:
-            print(f"{a['arm']:<16}{'':>18}{'':>10}{'':>11}  failed: {a['error'][-120:]}")
+            print(f"{a['arm']:<16}{'':>18}{'':>10}{'':>11}{'':>11}  failed: {a['error'][-120:]}")
             continue
         for r in a["rows"]:
             shape = f"{r['prompts']} x {r['tokens']}"
             if "error" in r:
-                print(f"{a['arm']:<16}{shape:>18}{'':>10}{'':>11}  {r['error'][:80]}")
+                print(f"{a['arm']:<16}{shape:>18}{'':>10}{'':>11}{'':>11}  {r['error'][:80]}")
             else:
-                print(f"{a['arm']:<16}{shape:>18}{r['first_ms']:>10.2f}{r['second_ms']:>11.2f}  {r.get('picked', '')}")
+                print(f"{a['arm']:<16}{shape:>18}{r['first_ms']:>10.2f}{r['second_ms']:>11.2f}"
+                      f"{r['steady_ms']:>11.3f}  {r.get('picked', '')}")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,26 @@ print(json.dumps(dict(counters["inductor"])))
 """
 
 
-def compile_in_fresh_process(cache) -> dict:
+def compile_in_fresh_process(cache, before: str = "") -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    out = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", before + COMPILE], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_flash_prompt_attention_is_in_the_compile_caches_key(tmp_path):
+    # the engine's prompt_attention 'flash' turns cuDNN's SDPA off before compiling; torch's caches do not key on
+    # the SDPA backend (pytorch#185449), so a cache warmed under cuDNN must miss, not hand back cuDNN's graph
+    choose = ("import torch; from serve_app.engines.slot_kv import use_prompt_attention\n"
+              "use_prompt_attention({!r}, 'cuda'); assert torch.backends.cuda.cudnn_sdp_enabled() is {}\n")
+    cache = tmp_path / "cache"
+    assert compile_in_fresh_process(cache).get("fxgraph_cache_miss", 0) >= 1
+    flash = compile_in_fresh_process(cache, choose.format("flash", False))
+    assert flash.get("fxgraph_cache_miss", 0) >= 1 and not flash.get("fxgraph_cache_hit"), flash
+    again = compile_in_fresh_process(cache, choose.format("flash", False))  # and its own entry is found
+    assert again.get("fxgraph_cache_hit", 0) >= 1 and not again.get("fxgraph_cache_miss"), again
+    auto = compile_in_fresh_process(cache, choose.format("auto", True))  # 'auto' changes nothing
+    assert auto.get("fxgraph_cache_hit", 0) >= 1 and not auto.get("fxgraph_cache_miss"), auto
 
 
 def test_a_packed_cache_unpacked_on_another_machine_serves_the_same_compile(tmp_path):

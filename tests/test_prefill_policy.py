@@ -56,7 +56,10 @@ def test_the_engine_option_holds_only_when_set():
 def test_one_prompt_per_mixed_pass_needs_mixed_passes():
     from serve_app.engines.options import HFEngineOptions
 
-    assert HFEngineOptions().mixed_one_prompt_per_pass is False
+    # the default follows mixed passes: on with them, off (and no error) without
+    assert HFEngineOptions().one_prompt_per_mixed_pass is False
+    assert HFEngineOptions(mixed_graph_tokens=512).one_prompt_per_mixed_pass is True
+    assert HFEngineOptions(mixed_graph_tokens=512, mixed_one_prompt_per_pass=False).one_prompt_per_mixed_pass is False
     with pytest.raises(ValueError, match="set mixed_graph_tokens"):
         HFEngineOptions(mixed_one_prompt_per_pass=True)
     opts = HFEngineOptions(mixed_graph_tokens=512, mixed_one_prompt_per_pass=True)

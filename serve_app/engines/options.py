@@ -49,6 +49,15 @@ class HFEngineOptions(StrictModel):
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel."
     )
+    prompt_attention: Literal["flash", "auto"] = Field(
+        "flash",
+        description="Static KV path on CUDA: the kernel torch's scaled_dot_product_attention runs prompts' "
+        "attention with (prefill and mixed passes; decode attention is the engine's own). 'flash' turns "
+        "cuDNN's attention off in the engine's process; 'auto' leaves torch's pick. Why: torch 2.11 picks "
+        "cuDNN on Hopper, which builds an execution plan the first time each (prompts, length) shape runs, "
+        "37 ms a new shape on an H100 (docs/gpu_notes.md run 142), paid inside a live pass of several prompts "
+        "where every decoding row waits for it; flash builds nothing and ran the same shapes no slower.",
+    )
     max_num_seqs: int = Field(
         32, ge=1, le=1024, description="Sequences decoded together in one batch."
     )
@@ -174,15 +183,16 @@ class HFEngineOptions(StrictModel):
         "p50 32 against 49 ms but p95 221 against 92; at 32 concurrent p95 48 against 88 (docs/gpu_notes.md "
         "runs 67-69); so off unless long prompts stall the streams.",
     )
-    mixed_one_prompt_per_pass: bool = Field(
-        False,
+    mixed_one_prompt_per_pass: bool | None = Field(
+        None,
         description="CUDA-graph decode, with mixed_graph_tokens: while rows decode and several prompts wait, admit "
         "only the first into a mixed pass with the rows' decode step (the next ones in the passes after it), "
         "instead of every waiting prompt into one prefill pass that stalls the rows for its whole length. A "
         "prompt no captured mixed pass covers, or rows that sample on the host, keep the multi-prompt pass. "
-        "Measured on one H200 (docs/gpu_notes.md run 138), the engine alone at 64 concurrent x 10 requests: "
-        "+1.9 % tok/s (5,094 against 4,997), TTFT p95 155 -> 73 ms and mean 77 -> 49, the median unchanged; "
-        "at 64 x 3 +1.2 % with the median 42 -> 52 ms. Off until the full stack measures it too.",
+        "None (the default): on wherever mixed passes are (mixed_graph_tokens above 0). Measured against "
+        "off, the 7B at 64 concurrent x 10 requests, the engine alone: H200 +1.9 % tok/s, TTFT p95 155 -> 73 "
+        "ms; H100 +1.6 %, p95 154 -> 60 ms, the full stack 100 % of it and +0.5 ms on the median; at 64 x 3 "
+        "the median rises ~10 ms on both cards (docs/gpu_notes.md runs 138, 142-143).",
     )
     launch_lead_ms: float | None = Field(
         1.0, ge=0.0, le=1000.0,
@@ -223,7 +233,7 @@ class HFEngineOptions(StrictModel):
             if self.mixed_chunk_tokens > self.mixed_graph_tokens:
                 raise ValueError(f"mixed_chunk_tokens ({self.mixed_chunk_tokens}) needs mixed passes of that many "
                                  f"prompt tokens: mixed_graph_tokens is {self.mixed_graph_tokens}")
-        if self.mixed_one_prompt_per_pass and not self.mixed_graph_tokens:
+        if self.mixed_one_prompt_per_pass is True and not self.mixed_graph_tokens:
             raise ValueError("mixed_one_prompt_per_pass admits prompts into mixed passes: set mixed_graph_tokens "
                              "(it is 0)")
         # a value check, not "was it set": options travel as dumps (to the engine's process, to the ranks), and a
@@ -237,6 +247,13 @@ class HFEngineOptions(StrictModel):
                 f"({self.max_kv_tokens}): one full-length sequence could never be scheduled"
             )
         return self
+
+    @property
+    def one_prompt_per_mixed_pass(self) -> bool:
+        """mixed_one_prompt_per_pass as it applies: None follows whether mixed passes are on."""
+        if self.mixed_one_prompt_per_pass is None:
+            return self.mixed_graph_tokens > 0
+        return self.mixed_one_prompt_per_pass
 
     def resolved_kv_cache(self, device: str) -> str:
         """The cache 'auto' stands for on ``device`` ('cpu' or 'cuda')."""

@@ -87,6 +87,27 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     return _grouped_decode_attention(query.reshape(b, h, d), key, value, attention_mask, scaling).unsqueeze(1), None
 
 
+PROMPT_ATTENTION_TAG = "seekserve-sdpa-flash"
+
+
+def use_prompt_attention(choice: str, device) -> None:
+    """HFEngineOptions.prompt_attention: 'flash' turns cuDNN's SDPA off for this process (on CUDA; the engine
+    is the only SDPA caller in it), before anything is compiled, so the compiled and captured passes lower
+    to flash. Why: cuDNN, torch 2.11's pick on Hopper, builds a plan per new shape (37 ms each on an H100,
+    docs/gpu_notes.md run 142), and the compiled pass of several prompts meets new shapes while serving.
+    The compile caches do not key on the SDPA backend (pytorch#185449): a graph compiled with cuDNN's
+    attention in it would come back from a warm on-disk cache with cuDNN still in, so the choice goes into
+    their key through torch.compiler.config.cache_key_tag."""
+    import torch
+
+    if choice == "auto" or getattr(device, "type", device) != "cuda":
+        return
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    tag = torch.compiler.config.cache_key_tag
+    if PROMPT_ATTENTION_TAG not in tag:
+        torch.compiler.config.cache_key_tag = f"{tag},{PROMPT_ATTENTION_TAG}" if tag else PROMPT_ATTENTION_TAG
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
 
