@@ -9,6 +9,8 @@
 #   bash benchmarks/device_call.sh engine [--set KEY=JSON ...]   # the engine alone (gpu_engine.py)
 #   bash benchmarks/device_call.sh firstuse [--set ...]           # gpu_first_use_probe.py (~1 min, no model),
 #                                                 # then the engine as `engine`
+#   bash benchmarks/device_call.sh probe          # gpu_first_use_probe.py alone (what a call with little
+#                                                 # device time left can still do)
 #   bash benchmarks/device_call.sh stack [--set KEY=JSON ...]    # the stack against the last engine run on this machine
 # Why one script: a call's command line is 2,000 characters, the machine goes back 30 s after a call, and a
 # fresh one costs minutes to start (often more: docs/gpu_notes.md), so each call does as much as fits its
@@ -32,9 +34,10 @@ if [ "$mode" = first ]; then
   # then the engine in fp8: bf16 has its figures on both cards (runs 71-73 on H200s, 116 on an H100), fp8 none on an H200
   mode=engine; set -- --set 'quantization="fp8"'
 fi
-if [ "$mode" = firstuse ]; then
+if [ "$mode" = firstuse ] || [ "$mode" = probe ]; then
   timeout 150 python3 benchmarks/gpu_first_use_probe.py --out $OUT/fu > $OUT/firstuse-log.txt 2>&1
-  echo "first-use probe rc=$? at $((SECONDS-T0)) s"; tail -34 $OUT/firstuse-log.txt
+  echo "first-use probe rc=$? at $((SECONDS-T0)) s"; tail -40 $OUT/firstuse-log.txt
+  [ "$mode" = probe ] && exit 0  # no engine, so no compile cache to pack
   mode=engine
 fi
 if [ "$mode" = answers ]; then
