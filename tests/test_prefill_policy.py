@@ -57,9 +57,10 @@ def test_one_prompt_per_mixed_pass_needs_mixed_passes():
     from serve_app.engines.options import HFEngineOptions
 
     # the default follows mixed passes: on with them, off (and no error) without
-    assert HFEngineOptions().one_prompt_per_mixed_pass is False
-    assert HFEngineOptions(mixed_graph_tokens=512).one_prompt_per_mixed_pass is True
-    assert HFEngineOptions(mixed_graph_tokens=512, mixed_one_prompt_per_pass=False).one_prompt_per_mixed_pass is False
+    assert HFEngineOptions().resolved_one_prompt_per_pass is False
+    assert HFEngineOptions(mixed_graph_tokens=512).resolved_one_prompt_per_pass is True
+    off = HFEngineOptions(mixed_graph_tokens=512, mixed_one_prompt_per_pass=False)
+    assert off.resolved_one_prompt_per_pass is False
     with pytest.raises(ValueError, match="set mixed_graph_tokens"):
         HFEngineOptions(mixed_one_prompt_per_pass=True)
     opts = HFEngineOptions(mixed_graph_tokens=512, mixed_one_prompt_per_pass=True)

@@ -799,7 +799,7 @@ class HFEngine(HFTokenization, Engine):
         the rows' decode step, while others wait for the next passes. Why: a pass of several prompts stalls every
         decoding row for its whole length, and a prompt's first token waits for all of it; one prompt per mixed
         pass keeps the rows stepping (docs/gpu_notes.md, the loop model of runs 75 and 137)."""
-        if not self.options.one_prompt_per_mixed_pass or len(self._waiting) < 2:
+        if not self.options.resolved_one_prompt_per_pass or len(self._waiting) < 2:
             return False
         return self._mixed_key_for(self._waiting[0], self._decoding()) is not None
 
