@@ -646,10 +646,11 @@ def pass_line(r: dict, top: int = 4) -> str | None:
 
 def first_use_line(res: dict) -> str | None:
     """A run's multi-prompt prefill passes in its warm-up load against the same kinds in its sustained load (its
-    64-concurrent one where it has none): mean ms there and later, the count, and what the warm-up's passes cost over the later mean in all. These passes
-    are the compiled pass with dynamic shapes, not a captured graph, and every run since the per-pass sums
-    paid +31 to +78 ms per prompt count in its warm-up load (docs/gpu_notes.md, run 140), which a replica's
-    first real burst pays if its warm-up did not; the one-prompt and mixed passes are graphs and pay nothing.
+    64-concurrent one where it has none): mean ms there and later, the count, and what the warm-up's passes
+    cost over the later mean in all. These passes are the compiled pass with dynamic shapes, not a captured
+    graph, and every run since the per-pass sums paid +31 to +78 ms per prompt count in its warm-up load
+    (docs/gpu_notes.md, run 140), which a replica's first real burst pays if its warm-up did not; the
+    one-prompt and mixed passes are graphs and pay nothing.
     None where either load has no per-pass times or they share no such kind."""
     later = res.get("concurrency_64_steady") or res.get("concurrency_64") or {}
     a, b = (res.get("warm_load") or {}).get("gpu_pass") or {}, later.get("gpu_pass") or {}

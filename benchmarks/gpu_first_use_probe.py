@@ -5,9 +5,9 @@
 Why: in every engine run since the per-pass GPU sums (docs/gpu_notes.md, runs 111-139, twelve of them on
 H100s and H200s) the warm-up load's multi-prompt prefill passes cost more than the same kinds later: the
 passes of 2, 3 and 4 prompts of 512 tokens +31 to +78 ms per prompt count over their later mean (run 138:
-prefill_3p once at 89.6 ms against 34.6). Those passes are the compiled pass with dynamic shapes, not a captured graph, so
-the first time a (prompts, length) shape runs it pays whatever is built or allocated per shape; the one-
-prompt and mixed passes are graphs captured before ready and show nothing. Run 139's stack paid it inside
+prefill_3p once at 89.6 ms against 34.6). Those passes are the compiled pass with dynamic shapes, not a
+captured graph, so the first time a (prompts, length) shape runs it pays whatever is built or allocated per
+shape; the one-prompt and mixed passes are graphs captured before ready and show nothing. Run 139's stack paid it inside
 a measured load (its first 3-prompt pass, four requests ~80 ms late at 32 concurrent), which the engine
 alone had paid in its warm-up load. Which part pays decides the remedy (a backend, a warm-up, or buckets),
 so each candidate is timed alone:

@@ -95,13 +95,14 @@ def test_the_gpu_budget_adds_the_families_the_gaps_and_the_rest_up_to_the_loads_
 
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+# run 138 (H200, machine AZ): the first-use line's and the loop model's H200 prices' source
+AZ_RUN_138 = RESULTS / "gpu_engine-h200-2026-12-06-60bba96-AZ-mixed512-bf16-separate-compare-one-per-pass.json"
 
 
 def test_the_first_use_line_sets_the_warm_up_loads_multi_prompt_prefills_against_the_later_ones():
     from benchmarks.gpu_engine import first_use_line
 
-    res = json.loads((RESULTS / "gpu_engine-h200-2026-12-06-60bba96-AZ-mixed512-bf16-separate-compare-one-per-pass.json")
-                     .read_text())
+    res = json.loads(AZ_RUN_138.read_text())
     warm, later = res["warm_load"]["gpu_pass"], res["concurrency_64_steady"]["gpu_pass"]
     line = first_use_line(res)
     parts = line.split(", ")
@@ -118,7 +119,6 @@ def test_the_first_use_line_sets_the_warm_up_loads_multi_prompt_prefills_against
     assert first_use_line({"concurrency_64_steady": steady}) is None  # files before the per-pass sums, the CPU
     assert first_use_line({"warm_load": {"gpu_pass": {"prefill_1p": warm["prefill_1p"]}},
                            "concurrency_64_steady": steady}) is None
-
 
 
 def stack_report(monkeypatch, capsys, engine_json: str, *stack_files: str, extra: tuple = ()) -> str:
@@ -340,8 +340,7 @@ def test_the_loop_model_puts_one_waiting_prompt_into_the_rows_decode_pass():
 def test_the_h200_az_prices_are_run_138s_pass_times_pooled_over_its_three_loads():
     from benchmarks.prefill_hold_sim import CARD_PRICES
 
-    res = json.loads((RESULTS / "gpu_engine-h200-2026-12-06-60bba96-AZ-mixed512-bf16-separate-compare-one-per-pass.json")
-                     .read_text())
+    res = json.loads(AZ_RUN_138.read_text())
     pooled: dict[str, list[float]] = {}
     for load in ("concurrency_32", "concurrency_64", "concurrency_64_steady"):  # the default arm's, not the compare's
         for kind, v in res[load]["gpu_pass"].items():
