@@ -59,6 +59,8 @@ H200_AZ_PRICES = {"step": {1: 4.72, 2: 4.69, 8: 4.85, 16: 5.02, 32: 5.43, 48: 5.
                   "prefill": {1: 11.21, 2: 24.63, 3: 34.57, 4: 45.21},
                   "mixed": {16: 13.12, 32: 15.84, 64: 16.22}}
 CARD_PRICES = {"h200": MIXED_PRICES, "h100": H100_PRICES, "h200-az": H200_AZ_PRICES}
+# what each card's prices came from, for the report's first line: beside CARD_PRICES so a new card names its runs
+CARD_SOURCES = {"h200": "runs 71 and 73 (H200)", "h100": "run 132 (H100)", "h200-az": "run 138 (H200, machine AZ)"}
 
 
 def interp(table: dict[int, float], x: int) -> float:
@@ -206,10 +208,8 @@ def return_delay_report(out: Path, delays_ms: list[tuple[float, float]], waits: 
     name = ("prefill_hold_sim_return_delay" + ("_mixed" if mixed else "") + card_tag
             + ("_one_per_pass" if one_per_mixed else "") + ("_think" if any(think_ms) else "") + ".json")
     (out / name).write_text(json.dumps(rows, indent=2))
-    priced = {"h200": "mixed passes priced by runs 71 and 73 (H200)", "h100": "mixed passes priced by run 132 (H100)",
-              "h200-az": "mixed passes priced by run 138 (H200, machine AZ)"}
     print(f"model (not a measurement), min running 0.5, today's first wave, "
-          f"{priced[card] if mixed else 'no mixed passes'}"
+          f"{'mixed passes priced by ' + CARD_SOURCES[card] if mixed else 'no mixed passes'}"
           f"{', one prompt per mixed pass' if one_per_mixed else ''}")
     print(f"{'think ms':>8}  {'return delay ms':<16}{'load':>8}{'wait':>5}{'tok/s':>8}{'in flight':>10}"
           f"{'TTFT p50':>10}{'p95':>7}{'prefill':>8}")

@@ -519,3 +519,16 @@ def test_the_tcp_counters_see_a_connection_opened():
     server.close()
     delta = tcp_counters_delta(before, tcp_counters())
     assert delta["ActiveOpens"] >= 1 and all(v >= 0 for v in delta.values())  # counters only grow
+
+
+def test_the_return_delay_report_names_where_each_cards_prices_came_from(tmp_path, capsys):
+    from benchmarks.prefill_hold_sim import CARD_PRICES, CARD_SOURCES, return_delay_report
+
+    assert set(CARD_SOURCES) == set(CARD_PRICES)
+    for card in CARD_PRICES:
+        return_delay_report(tmp_path, [(0.0, 0.0)], [0], mixed=True, steady_rounds=0, card=card)
+        first = capsys.readouterr().out.splitlines()[0]
+        assert f"mixed passes priced by {CARD_SOURCES[card]}" in first
+        tag = "" if card == "h200" else "_" + card.replace("-", "")
+        rows = json.loads((tmp_path / f"prefill_hold_sim_return_delay_mixed{tag}.json").read_text())
+        assert [r["conc"] for r in rows] == [32, 64]
