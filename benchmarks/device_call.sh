@@ -1,7 +1,9 @@
 #!/bin/bash
-# One device call of issue #8's GPU work, carrying [".raybundle", ".inductor_cache"] (stack), or
-# [".enginebundle", ".inductor_cache"] for the other modes: Ray's 46 MB, the cache and the tracked tree are over
-# the 64 MiB a call carries (ray_bundle.py --engine-only builds .enginebundle: no Ray, 2.5 MB):
+# One device call of issue #8's GPU work, carrying [".raybundle"] (stack), or [".enginebundle", ".inductor_cache"]
+# for the other modes: Ray's 46 MB and the tracked tree are most of the 64 MiB a call carries, so the stack
+# carries the compile cache only where it still fits (since 2026-12-06 it does not: run the stack after an
+# engine call on the same warm machine, whose cache it finds there; ray_bundle.py --engine-only builds
+# .enginebundle: no Ray, 2.5 MB):
 #   bash benchmarks/device_call.sh first          # the KV memory check, then the engine in fp8 (scales in the
 #                                                 # epilogue, the default), then the cache packed
 #   bash benchmarks/device_call.sh answers [--cases ...]          # the fast paths' answers against eager ones
@@ -35,7 +37,9 @@ if [ "$mode" = first ]; then
   mode=engine; set -- --set 'quantization="fp8"'
 fi
 if [ "$mode" = firstuse ] || [ "$mode" = probe ]; then
-  timeout 150 python3 benchmarks/gpu_first_use_probe.py --out $OUT/fu > $OUT/firstuse-log.txt 2>&1
+  # the probe's engine arm takes the engine's prompt_attention from a --set of it, as the engine run does
+  pa=$(printf '%s\n' "$@" | sed -n 's/^prompt_attention="\(.*\)"$/\1/p' | tail -1)
+  timeout 150 python3 benchmarks/gpu_first_use_probe.py ${pa:+--prompt-attention $pa} --out $OUT/fu > $OUT/firstuse-log.txt 2>&1
   echo "first-use probe rc=$? at $((SECONDS-T0)) s"; tail -40 $OUT/firstuse-log.txt
   [ "$mode" = probe ] && exit 0  # no engine, so no compile cache to pack
   mode=engine

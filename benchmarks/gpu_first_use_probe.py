@@ -1,6 +1,6 @@
 """The first pass of each new multi-prompt prefill shape: which part of it pays the 31-78 ms.
 
-    python benchmarks/gpu_first_use_probe.py [--device cuda|cpu] [--out DIR]
+    python benchmarks/gpu_first_use_probe.py [--device cuda|cpu] [--prompt-attention CHOICE] [--out DIR]
 
 Why: in every engine run since the per-pass GPU sums (docs/gpu_notes.md, runs 111-139, twelve of them on
 H100s and H200s) the warm-up load's multi-prompt prefill passes cost more than the same kinds later: the
@@ -16,7 +16,8 @@ so each candidate is timed alone:
   (slot_kv.slot_attention's: ``[n, 28, L, 128]`` queries, ``[n, 4, L, 128]`` keys and values, causal, GQA)
   with torch's pick or one backend forced; cuDNN builds an execution graph per shape (pytorch#191576 found
   a rebuild at ~42 ms a call), flash has nothing to build. ``sdpa_engine``: torch's pick after the engine's
-  own choice (HFEngineOptions.prompt_attention, its default 'flash': cuDNN's SDPA off in the process).
+  own choice (HFEngineOptions.prompt_attention, or --prompt-attention), in the engine's own context for a pass
+  of that many prompts (slot_kv.prompt_kernels: 'flash_multi_prompt' leaves cuDNN out of passes of several).
 - ``gemm``: the pass's four GEMM shapes at M = n x L (cuBLAS picks an algorithm per shape).
 - ``alloc``: the activations a pass of n x L tokens allocates, first from a fresh caching allocator and then
   again after freeing them (the first needs cudaMalloc).
@@ -43,8 +44,8 @@ sys.path.insert(0, str(ROOT))  # serve_app, for the sdpa_engine arm run as a scr
 
 ARMS = ("sdpa_default", "sdpa_engine", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "gemm", "alloc")
 # (prompts, tokens each): the benchmark's fixed 512-token prompts in passes of 2-4, and two other lengths,
-# as real prompts of mixed lengths would give
-SHAPES = ((2, 512), (3, 512), (4, 512), (2, 448), (4, 320))
+# as real prompts of mixed lengths would give; then one prompt, which 'flash_multi_prompt' leaves to torch
+SHAPES = ((2, 512), (3, 512), (4, 512), (2, 448), (4, 320), (1, 512))
 # the 7B's (DeepSeek-R1-Distill-Qwen-7B shape) heads, KV heads, head dim, hidden, ffn
 FULL_DIMS = (28, 4, 128, 3584, 18944)
 STEADY_CALLS = 20
@@ -72,8 +73,11 @@ def _backend_names() -> dict[int, str]:
     return {int(v): k for k, v in SDPBackend.__members__.items()}
 
 
-def run_arm(arm: str, device: str, shapes, dims) -> dict:
-    """One arm in this (fresh) process: per shape, its first call's and second call's wall ms."""
+def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = None) -> dict:
+    """One arm in this (fresh) process: per shape, its first call's and second call's wall ms.
+    ``prompt_attention``: the engine's choice for the sdpa_engine arm (None: HFEngineOptions' default)."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
 
@@ -82,11 +86,13 @@ def run_arm(arm: str, device: str, shapes, dims) -> dict:
     heads, kv_heads, head_dim, hidden, ffn = dims
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.ones(1, device=device)  # the context, outside any timing
+    kernels = lambda prompts: contextlib.nullcontext()  # noqa: E731
     if arm == "sdpa_engine":
         from serve_app.engines.options import HFEngineOptions
-        from serve_app.engines.slot_kv import use_prompt_attention
+        from serve_app.engines.slot_kv import prompt_kernels, use_prompt_attention
 
-        use_prompt_attention(HFEngineOptions().prompt_attention, torch.device(device))
+        use_prompt_attention(prompt_attention or HFEngineOptions().prompt_attention, torch.device(device))
+        kernels = prompt_kernels
     rows: list[dict] = []
     for n, length in shapes:
         row: dict = {"prompts": n, "tokens": length}
@@ -100,12 +106,14 @@ def run_arm(arm: str, device: str, shapes, dims) -> dict:
                 forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                           "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}.get(arm)
                 if forced is None and device == "cuda":  # sdpa_default, sdpa_engine
-                    picked = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
+                    with kernels(n):
+                        picked = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
                     row["picked"] = _backend_names().get(int(picked), str(picked))
 
                 def call():
                     if forced is None:
-                        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                        with kernels(n):
+                            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                     else:
                         with sdpa_kernel(forced):
                             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -141,21 +149,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--prompt-attention", choices=("flash", "flash_multi_prompt", "auto"),
+                   help="the engine's choice for the sdpa_engine arm (default: HFEngineOptions' own)")
     p.add_argument("--arm", choices=ARMS, help="run one arm in this process and print its JSON (the parent's "
                                                 "way of giving each arm a fresh process)")
     args = p.parse_args()
     dims = FULL_DIMS if args.device == "cuda" else CPU_DIMS
     shapes = SHAPES if args.device == "cuda" else tuple((n, max(4, t // 64)) for n, t in SHAPES)
     if args.arm:
-        print(json.dumps(run_arm(args.arm, args.device, shapes, dims)))
+        print(json.dumps(run_arm(args.arm, args.device, shapes, dims, args.prompt_attention)))
         return
     import torch
 
-    results: dict = {"device": args.device, "dims": dims, "torch": torch.__version__, "arms": []}
+    from serve_app.engines.options import HFEngineOptions
+
+    results: dict = {"device": args.device, "dims": dims, "torch": torch.__version__, "arms": [],
+                     "prompt_attention": args.prompt_attention or HFEngineOptions().prompt_attention}
     if args.device == "cuda":
         results.update(gpu=torch.cuda.get_device_name(0), cudnn=torch.backends.cudnn.version())
     for arm in ARMS:
-        proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--device", args.device],
+        choice = ["--prompt-attention", args.prompt_attention] if args.prompt_attention else []
+        proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--device", args.device, *choice],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             results["arms"].append({"arm": arm, "error": proc.stderr.strip()[-300:]})
@@ -164,7 +178,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_first_use_probe.json").write_text(json.dumps(results, indent=2))
-    print(f"{results.get('gpu', args.device)}; torch {results['torch']}; cuDNN {results.get('cudnn', '-')}")
+    print(f"{results.get('gpu', args.device)}; torch {results['torch']}; cuDNN {results.get('cudnn', '-')}; "
+          f"the engine's prompt_attention {results['prompt_attention']}")
     print(f"{'arm':<16}{'prompts x tokens':>18}{'first ms':>10}{'second ms':>11}{'steady ms':>11}  note")
     for a in results["arms"]:
         if "rows" not in a:

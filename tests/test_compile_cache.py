@@ -44,6 +44,37 @@ def test_flash_prompt_attention_is_in_the_compile_caches_key(tmp_path):
     assert auto.get("fxgraph_cache_hit", 0) >= 1 and not auto.get("fxgraph_cache_miss"), auto
 
 
+def test_the_backends_of_several_prompts_passes_are_in_the_compile_caches_key_through_the_graph(tmp_path):
+    # 'flash_multi_prompt' narrows the backends inside the traced pass (sdpa_kernel becomes graph nodes), with no
+    # tag: AOTAutograd's cache, keyed before the backend is chosen, is bypassed, and Inductor's is keyed on the
+    # lowered graph, which names the kernel. On the CPU, torch's pick and the engine's list both lower to the
+    # CPU's flash; the math kernel stands in for a kernel other than torch's pick (on Hopper: flash for cuDNN)
+    attend = ("import json, torch\nfrom torch._dynamo.utils import counters\nfrom torch.nn.attention import SDPBackend\n"
+              "from serve_app.engines import slot_kv\n"
+              "slot_kv.use_prompt_attention({!r}, 'cuda')\n{}\n"
+              "q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)\n"
+              "torch.compile(lambda q, k: slot_kv.slot_attention(None, q, k, k, None, scaling=0.3)[0])(q, k)\n"
+              "print(json.dumps({{**counters['inductor'], **counters['aot_autograd']}}))\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+
+    def compile_with(choice: str, backends: str = "") -> dict:
+        narrow = f"slot_kv._MULTI_PROMPT_BACKENDS = [{backends}]" if backends else ""
+        out = subprocess.run([sys.executable, "-c", attend.format(choice, narrow)], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-1500:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert compile_with("auto").get("fxgraph_cache_miss", 0) >= 1
+    math = compile_with("flash_multi_prompt", "SDPBackend.MATH")
+    assert math.get("fxgraph_cache_miss", 0) >= 1 and not math.get("fxgraph_cache_hit"), math
+    assert not math.get("autograd_cache_hit"), math
+    again = compile_with("flash_multi_prompt", "SDPBackend.MATH")
+    assert again.get("fxgraph_cache_hit", 0) >= 1 and not again.get("fxgraph_cache_miss"), again
+    # the engine's own list lowers to what torch picks on the CPU, and finds that entry
+    same = compile_with("flash_multi_prompt")
+    assert same.get("fxgraph_cache_hit", 0) >= 1 and not same.get("fxgraph_cache_miss"), same
+
+
 def test_a_packed_cache_unpacked_on_another_machine_serves_the_same_compile(tmp_path):
     first = compile_in_fresh_process(tmp_path / "machine_a")
     assert first.get("fxgraph_cache_miss", 0) >= 1 and not first.get("fxgraph_cache_hit")

@@ -49,16 +49,17 @@ class HFEngineOptions(StrictModel):
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel."
     )
-    prompt_attention: Literal["flash", "auto"] = Field(
+    prompt_attention: Literal["flash", "flash_multi_prompt", "auto"] = Field(
         "flash",
         description="Static KV path on CUDA: the kernel torch's scaled_dot_product_attention runs prompts' "
         "attention with (prefill and mixed passes; decode attention is the engine's own). 'flash' turns "
-        "cuDNN's attention off in the engine's process; 'auto' leaves torch's pick. Why: torch 2.11 picks "
-        "cuDNN on Hopper, which builds an execution plan the first time each (prompts, length) shape runs, "
-        "37 ms a new shape on an H100 (docs/gpu_notes.md run 142), paid inside a live pass of several prompts "
-        "where every decoding row waits for it; flash builds nothing, and its calls of the same shapes took "
-        "0.07-0.15 ms against cuDNN's 0.17-0.19. A masked attention (a later chunk, mixed_chunk_tokens) "
-        "gets torch's next pick.",
+        "cuDNN's attention off in the engine's process; 'flash_multi_prompt' leaves cuDNN out of passes of "
+        "several prompts only; 'auto' leaves torch's pick. Why: torch 2.11 picks cuDNN on Hopper, which builds "
+        "an execution plan the first time each (prompts, length) shape runs, 37 ms a new shape on an H100 "
+        "(docs/gpu_notes.md run 142), paid inside a live pass of several prompts where every decoding row "
+        "waits for it; flash builds nothing. The one-prompt passes are captured before ready, so their plans "
+        "are built then, and there cuDNN ran faster (an H100's 64-row mixed pass 17.66 against 17.88 ms, "
+        "runs 142 and 146). A masked attention (a later chunk, mixed_chunk_tokens) gets torch's next pick.",
     )
     max_num_seqs: int = Field(
         32, ge=1, le=1024, description="Sequences decoded together in one batch."

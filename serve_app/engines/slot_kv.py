@@ -81,26 +81,56 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         return torch.cat([prompt.transpose(1, 2), decode.unsqueeze(0)], dim=1), None
     if q > 1:
         # prefill: each prompt attends to itself only (right padding never reaches a real token)
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                             enable_gqa=h != kvh)
+        with prompt_kernels(b):
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                 enable_gqa=h != kvh)
         return out.transpose(1, 2).contiguous(), None
     return _grouped_decode_attention(query.reshape(b, h, d), key, value, attention_mask, scaling).unsqueeze(1), None
 
 
 PROMPT_ATTENTION_TAG = "seekserve-sdpa-flash"
+# prompt_attention 'flash_multi_prompt': the SDPA backends a pass of several prompts may run (all but cuDNN);
+# None leaves torch's pick. Set once per process, before anything compiles: compiled code guards on it
+_MULTI_PROMPT_BACKENDS: list | None = None
+
+
+def prompt_kernels(prompts: int):
+    """The context a prefill pass of ``prompts`` prompts calls SDPA in (slot_attention): with
+    prompt_attention 'flash_multi_prompt', cuDNN left out of the backends for a pass of several prompts
+    (torch.nn.attention.sdpa_kernel, which torch.compile traces into the graph, so a compiled pass keeps it
+    and the compile caches key on it); otherwise nothing."""
+    import contextlib
+
+    if prompts > 1 and _MULTI_PROMPT_BACKENDS is not None:
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel(_MULTI_PROMPT_BACKENDS)
+    return contextlib.nullcontext()
 
 
 def use_prompt_attention(choice: str, device) -> None:
-    """HFEngineOptions.prompt_attention: 'flash' turns cuDNN's SDPA off for this process (on CUDA; the engine
-    is the only SDPA caller in it), before anything is compiled, so the compiled and captured passes lower
+    """HFEngineOptions.prompt_attention, for this process (on CUDA; the engine is the only SDPA caller in it),
+    before anything is compiled. 'flash' turns cuDNN's SDPA off, so every compiled and captured pass lowers
     to flash. Why: cuDNN, torch 2.11's pick on Hopper, builds a plan per new shape (37 ms each on an H100,
     docs/gpu_notes.md run 142), and the compiled pass of several prompts meets new shapes while serving.
     The compile caches do not key on the SDPA backend (pytorch#185449): a graph compiled with cuDNN's
     attention in it would come back from a warm on-disk cache with cuDNN still in, so the choice goes into
-    their key through torch.compiler.config.cache_key_tag."""
+    their key through torch.compiler.config.cache_key_tag.
+
+    'flash_multi_prompt' keeps cuDNN for the passes of one prompt and leaves it out of the passes of several
+    (prompt_kernels). Why: the one-prompt passes (the captured prefill graphs, and the mixed passes' prompt)
+    are all captured before ready, so cuDNN's plans are built then, and on them cuDNN ran faster than flash
+    (an H100's mixed pass of 64 rows 17.66 against 17.88 ms, runs 142 and 146); only the compiled pass of
+    several prompts meets new shapes while serving."""
     import torch
 
+    global _MULTI_PROMPT_BACKENDS
     if choice == "auto" or getattr(device, "type", device) != "cuda":
+        return
+    if choice == "flash_multi_prompt":
+        from torch.nn.attention import SDPBackend
+
+        _MULTI_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
         return
     torch.backends.cuda.enable_cudnn_sdp(False)
     tag = torch.compiler.config.cache_key_tag
