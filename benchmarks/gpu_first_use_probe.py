@@ -18,6 +18,9 @@ so each candidate is timed alone:
   a rebuild at ~42 ms a call), flash has nothing to build. ``sdpa_engine``: torch's pick after the engine's
   own choice (HFEngineOptions.prompt_attention, or --prompt-attention), in the engine's own context for a pass
   of that many prompts (slot_kv.prompt_kernels: 'flash_multi_prompt' leaves cuDNN out of passes of several).
+  ``sdpa_engine_compiled``: the same through the engine's own attention (slot_kv.slot_attention) compiled as its
+  prefill pass is, with dynamic shapes warmed at (1, 19) and (2, 37), so a new shape reuses the compile and
+  shows what the compiled pass runs; on CUDA each row names the attention kernel the profiler saw.
 - ``gemm``: the pass's four GEMM shapes at M = n x L (cuBLAS picks an algorithm per shape).
 - ``alloc``: the activations a pass of n x L tokens allocates, first from a fresh caching allocator and then
   again after freeing them (the first needs cudaMalloc).
@@ -42,7 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # serve_app, for the sdpa_engine arm run as a script
 
-ARMS = ("sdpa_default", "sdpa_engine", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "gemm", "alloc")
+ARMS = ("sdpa_default", "sdpa_engine", "sdpa_engine_compiled", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "gemm",
+        "alloc")
 # (prompts, tokens each): the benchmark's fixed 512-token prompts in passes of 2-4, and two other lengths,
 # as real prompts of mixed lengths would give; then one prompt, which 'flash_multi_prompt' leaves to torch
 SHAPES = ((2, 512), (3, 512), (4, 512), (2, 448), (4, 320), (1, 512))
@@ -73,6 +77,21 @@ def _backend_names() -> dict[int, str]:
     return {int(v): k for k, v in SDPBackend.__members__.items()}
 
 
+def _attention_kernel(call) -> str:
+    """Which attention kernel one call launched, from the CUDA profiler's kernel names: cuDNN's are named
+    cudnn*, torch's flash flash_fwd*; 'other' for neither (the math path's GEMMs and softmax)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name.lower() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if any("cudnn" in n for n in names):
+        return "cudnn"
+    return "flash" if any("flash" in n for n in names) else "other"
+
+
 def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = None) -> dict:
     """One arm in this (fresh) process: per shape, its first call's and second call's wall ms.
     ``prompt_attention``: the engine's choice for the sdpa_engine arm (None: HFEngineOptions' default)."""
@@ -87,12 +106,29 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.ones(1, device=device)  # the context, outside any timing
     kernels = lambda prompts: contextlib.nullcontext()  # noqa: E731
-    if arm == "sdpa_engine":
+    if arm in ("sdpa_engine", "sdpa_engine_compiled"):
         from serve_app.engines.options import HFEngineOptions
         from serve_app.engines.slot_kv import prompt_kernels, use_prompt_attention
 
         use_prompt_attention(prompt_attention or HFEngineOptions().prompt_attention, torch.device(device))
         kernels = prompt_kernels
+    if arm == "sdpa_engine_compiled":
+        from serve_app.engines.slot_kv import slot_attention
+
+        def attend(q, k, v):
+            return slot_attention(None, q, k, v, None, scaling=head_dim ** -0.5)[0]
+
+        compiled = torch.compile(attend)
+        for n, length in ((1, 19), (2, 37)):  # the engine's prefill warm-up shapes (compile_prefill_pass)
+            q = torch.randn(n, heads, length, head_dim, device=device, dtype=dtype)
+            k = torch.randn(n, kv_heads, length, head_dim, device=device, dtype=dtype)
+            v = torch.randn_like(k)  # not k again: aliased inputs are a guard of their own
+            for t in (q, k, v):
+                if n > 1:
+                    torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 2)
+            compiled(q, k, v)
+        _sync(device)
     rows: list[dict] = []
     for n, length in shapes:
         row: dict = {"prompts": n, "tokens": length}
@@ -105,13 +141,20 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
                 v = torch.randn_like(k)
                 forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                           "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}.get(arm)
-                if forced is None and device == "cuda":  # sdpa_default, sdpa_engine
+                if arm == "sdpa_engine_compiled":
+                    for t in (q, k, v):  # as the engine's pass: the prompts and their length vary
+                        if n > 1:
+                            torch._dynamo.mark_dynamic(t, 0)
+                        torch._dynamo.mark_dynamic(t, 2)
+                elif forced is None and device == "cuda":  # sdpa_default, sdpa_engine
                     with kernels(n):
                         picked = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
                     row["picked"] = _backend_names().get(int(picked), str(picked))
 
                 def call():
-                    if forced is None:
+                    if arm == "sdpa_engine_compiled":
+                        compiled(q, k, v)
+                    elif forced is None:
                         with kernels(n):
                             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                     else:
@@ -135,6 +178,8 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
                             torch.empty(n * length, ffn, device=device, dtype=dtype)]
                     held.clear()  # all three at once, as the pass's peak; then back to the allocator's cache
             row["first_ms"] = round(_timed_ms(call, device), 3)
+            if arm == "sdpa_engine_compiled" and device == "cuda":
+                row["picked"] = _attention_kernel(call)
             row["second_ms"] = round(_timed_ms(call, device), 3)
             # the kernel's own speed, launches overlapped: whether a backend without a first-use cost is slower
             row["steady_ms"] = round(_timed_ms(lambda: [call() for _ in range(STEADY_CALLS)], device)
@@ -180,17 +225,17 @@ def main() -> None:
     (out / "gpu_first_use_probe.json").write_text(json.dumps(results, indent=2))
     print(f"{results.get('gpu', args.device)}; torch {results['torch']}; cuDNN {results.get('cudnn', '-')}; "
           f"the engine's prompt_attention {results['prompt_attention']}")
-    print(f"{'arm':<16}{'prompts x tokens':>18}{'first ms':>10}{'second ms':>11}{'steady ms':>11}  note")
+    print(f"{'arm':<22}{'prompts x tokens':>18}{'first ms':>10}{'second ms':>11}{'steady ms':>11}  note")
     for a in results["arms"]:
         if "rows" not in a:
-            print(f"{a['arm']:<16}{'':>18}{'':>10}{'':>11}{'':>11}  failed: {a['error'][-120:]}")
+            print(f"{a['arm']:<22}{'':>18}{'':>10}{'':>11}{'':>11}  failed: {a['error'][-120:]}")
             continue
         for r in a["rows"]:
             shape = f"{r['prompts']} x {r['tokens']}"
             if "error" in r:
-                print(f"{a['arm']:<16}{shape:>18}{'':>10}{'':>11}{'':>11}  {r['error'][:80]}")
+                print(f"{a['arm']:<22}{shape:>18}{'':>10}{'':>11}{'':>11}  {r['error'][:80]}")
             else:
-                print(f"{a['arm']:<16}{shape:>18}{r['first_ms']:>10.2f}{r['second_ms']:>11.2f}"
+                print(f"{a['arm']:<22}{shape:>18}{r['first_ms']:>10.2f}{r['second_ms']:>11.2f}"
                       f"{r['steady_ms']:>11.3f}  {r.get('picked', '')}")
 
 

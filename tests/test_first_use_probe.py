@@ -25,7 +25,7 @@ def test_every_arm_times_every_shape_in_a_process_of_its_own(tmp_path):
             # timed twice, or refused (cuDNN and the efficient kernel have no CPU form): never silently dropped
             assert ("first_ms" in row and "second_ms" in row and row["first_ms"] >= 0) or "error" in row, row
     timed = {a["arm"] for a in res["arms"] if all("first_ms" in r for r in a["rows"])}
-    assert {"sdpa_default", "sdpa_engine", "gemm", "alloc"} <= timed
+    assert {"sdpa_default", "sdpa_engine", "sdpa_engine_compiled", "gemm", "alloc"} <= timed
     assert all("steady_ms" in r for a in res["arms"] for r in a["rows"] if "first_ms" in r)
     assert proc.stdout.splitlines()[1].split()[:2] == ["arm", "prompts"]  # the table, last
 
