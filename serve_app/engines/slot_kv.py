@@ -97,8 +97,9 @@ _MULTI_PROMPT_BACKENDS: list | None = None
 def prompt_kernels(prompts: int):
     """The context a prefill pass of ``prompts`` prompts calls SDPA in (slot_attention): with
     prompt_attention 'flash_multi_prompt', cuDNN left out of the backends for a pass of several prompts
-    (torch.nn.attention.sdpa_kernel, which torch.compile traces into the graph, so a compiled pass keeps it
-    and the compile caches key on it); otherwise nothing."""
+    (torch.nn.attention.sdpa_kernel, which torch.compile traces into the graph, so a compiled pass keeps it;
+    Inductor's cache keys on the kernel it lowered to, and AOTAutograd's, which would not, is bypassed for
+    that graph, pytorch#194007); otherwise nothing."""
     import contextlib
 
     if prompts > 1 and _MULTI_PROMPT_BACKENDS is not None:
@@ -120,8 +121,9 @@ def use_prompt_attention(choice: str, device) -> None:
     'flash_multi_prompt' keeps cuDNN for the passes of one prompt and leaves it out of the passes of several
     (prompt_kernels). Why: the one-prompt passes (the captured prefill graphs, and the mixed passes' prompt)
     are all captured before ready, so cuDNN's plans are built then, and on them cuDNN ran faster than flash
-    (an H100's mixed pass of 64 rows 17.66 against 17.88 ms, runs 142 and 146); only the compiled pass of
-    several prompts meets new shapes while serving."""
+    (an H100's mixed pass of 64 rows 17.66 against 17.88 ms, runs 142 and 146); the compiled pass of several
+    prompts meets new shapes while serving. A one-prompt pass past the captured lengths (prefill_graph_tokens)
+    still pays cuDNN's plan once per new length."""
     import torch
 
     global _MULTI_PROMPT_BACKENDS
