@@ -105,6 +105,21 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
     heads, kv_heads, head_dim, hidden, ffn = dims
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.ones(1, device=device)  # the context, outside any timing
+    compiled_arm = arm == "sdpa_engine_compiled"
+
+    def qkv(n: int, length: int):
+        """A pass's queries, keys and values (v apart from k: aliased inputs are a guard of their own); for the
+        compiled arm marked as the engine's pass has them, its prompts and their length varying."""
+        q = torch.randn(n, heads, length, head_dim, device=device, dtype=dtype)
+        k = torch.randn(n, kv_heads, length, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        if compiled_arm:
+            for t in (q, k, v):
+                if n > 1:
+                    torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 2)
+        return q, k, v
+
     kernels = lambda prompts: contextlib.nullcontext()  # noqa: E731
     if arm in ("sdpa_engine", "sdpa_engine_compiled"):
         from serve_app.engines.options import HFEngineOptions
@@ -112,7 +127,7 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
 
         use_prompt_attention(prompt_attention or HFEngineOptions().prompt_attention, torch.device(device))
         kernels = prompt_kernels
-    if arm == "sdpa_engine_compiled":
+    if compiled_arm:
         from serve_app.engines.slot_kv import slot_attention
 
         def attend(q, k, v):
@@ -120,14 +135,7 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
 
         compiled = torch.compile(attend)
         for n, length in ((1, 19), (2, 37)):  # the engine's prefill warm-up shapes (compile_prefill_pass)
-            q = torch.randn(n, heads, length, head_dim, device=device, dtype=dtype)
-            k = torch.randn(n, kv_heads, length, head_dim, device=device, dtype=dtype)
-            v = torch.randn_like(k)  # not k again: aliased inputs are a guard of their own
-            for t in (q, k, v):
-                if n > 1:
-                    torch._dynamo.mark_dynamic(t, 0)
-                torch._dynamo.mark_dynamic(t, 2)
-            compiled(q, k, v)
+            compiled(*qkv(n, length))
         _sync(device)
     rows: list[dict] = []
     for n, length in shapes:
@@ -136,23 +144,16 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
             if arm.startswith("sdpa_"):
                 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-                q = torch.randn(n, heads, length, head_dim, device=device, dtype=dtype)
-                k = torch.randn(n, kv_heads, length, head_dim, device=device, dtype=dtype)
-                v = torch.randn_like(k)
+                q, k, v = qkv(n, length)
                 forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                           "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}.get(arm)
-                if arm == "sdpa_engine_compiled":
-                    for t in (q, k, v):  # as the engine's pass: the prompts and their length vary
-                        if n > 1:
-                            torch._dynamo.mark_dynamic(t, 0)
-                        torch._dynamo.mark_dynamic(t, 2)
-                elif forced is None and device == "cuda":  # sdpa_default, sdpa_engine
+                if forced is None and not compiled_arm and device == "cuda":  # sdpa_default, sdpa_engine
                     with kernels(n):
                         picked = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
                     row["picked"] = _backend_names().get(int(picked), str(picked))
 
                 def call():
-                    if arm == "sdpa_engine_compiled":
+                    if compiled_arm:
                         compiled(q, k, v)
                     elif forced is None:
                         with kernels(n):
@@ -178,7 +179,7 @@ def run_arm(arm: str, device: str, shapes, dims, prompt_attention: str | None = 
                             torch.empty(n * length, ffn, device=device, dtype=dtype)]
                     held.clear()  # all three at once, as the pass's peak; then back to the allocator's cache
             row["first_ms"] = round(_timed_ms(call, device), 3)
-            if arm == "sdpa_engine_compiled" and device == "cuda":
+            if compiled_arm and device == "cuda":
                 row["picked"] = _attention_kernel(call)
             row["second_ms"] = round(_timed_ms(call, device), 3)
             # the kernel's own speed, launches overlapped: whether a backend without a first-use cost is slower

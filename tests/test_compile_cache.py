@@ -49,8 +49,8 @@ def test_the_backends_of_several_prompts_passes_are_in_the_compile_caches_key_th
     # tag: AOTAutograd's cache, keyed before the backend is chosen, is bypassed, and Inductor's is keyed on the
     # lowered graph, which names the kernel. On the CPU, torch's pick and the engine's list both lower to the
     # CPU's flash; the math kernel stands in for a kernel other than torch's pick (on Hopper: flash for cuDNN)
-    attend = ("import json, torch\nfrom torch._dynamo.utils import counters\nfrom torch.nn.attention import SDPBackend\n"
-              "from serve_app.engines import slot_kv\n"
+    attend = ("import json, torch\nfrom torch._dynamo.utils import counters\n"
+              "from torch.nn.attention import SDPBackend\nfrom serve_app.engines import slot_kv\n"
               "slot_kv.use_prompt_attention({!r}, 'cuda')\n{}\n"
               "q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)\n"
               "torch.compile(lambda q, k: slot_kv.slot_attention(None, q, k, k, None, scaling=0.3)[0])(q, k)\n"

@@ -29,24 +29,31 @@ def _attend(q, k, v):
     return out
 
 
+def _engines_narrowing(monkeypatch) -> None:
+    """The list use_prompt_attention('flash_multi_prompt') sets on CUDA, set here as it would be there
+    (monkeypatch puts the process's own value back afterwards)."""
+    monkeypatch.setattr(slot_kv, "_MULTI_PROMPT_BACKENDS", None)
+    slot_kv.use_prompt_attention("flash_multi_prompt", "cuda")
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_only_passes_of_several_prompts_are_narrowed(monkeypatch, compiled):
-    torch._dynamo.reset()
-    attend = torch.compile(_attend, fullgraph=True) if compiled else _attend
+    def fresh():
+        torch._dynamo.reset()  # the narrowing is read when a pass is traced
+        return torch.compile(_attend, fullgraph=True) if compiled else _attend
+
+    attend = fresh()
     monkeypatch.setattr(slot_kv, "_MULTI_PROMPT_BACKENDS", [SDPBackend.EFFICIENT_ATTENTION])  # none on the CPU
     one = attend(*_prefill(1))
     assert torch.allclose(one, _attend(*_prefill(1)), atol=1e-5)  # one prompt: torch's own pick
     with pytest.raises(Exception, match="(?i)no viable backend|no available kernel"):
         attend(*_prefill(2))
     # the engine's list (all but cuDNN) runs the same numbers as torch's pick
-    torch._dynamo.reset()
-    attend = torch.compile(_attend, fullgraph=True) if compiled else _attend
+    attend = fresh()
     monkeypatch.setattr(slot_kv, "_MULTI_PROMPT_BACKENDS", None)
     picked = attend(*_prefill(3, seed=1))
-    torch._dynamo.reset()
-    attend = torch.compile(_attend, fullgraph=True) if compiled else _attend
-    monkeypatch.setattr(slot_kv, "_MULTI_PROMPT_BACKENDS",
-                        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    attend = fresh()
+    _engines_narrowing(monkeypatch)
     assert torch.allclose(attend(*_prefill(3, seed=1)), picked, atol=1e-5)
     torch._dynamo.reset()
 
@@ -58,8 +65,7 @@ def test_flash_multi_prompt_leaves_cudnn_on_for_the_process_and_out_of_several_p
              "assert torch.backends.cuda.cudnn_sdp_enabled()\n"
              "assert SDPBackend.CUDNN_ATTENTION not in slot_kv._MULTI_PROMPT_BACKENDS\n"
              "assert SDPBackend.FLASH_ATTENTION == slot_kv._MULTI_PROMPT_BACKENDS[0]\n"
-             "assert not torch.compiler.config.cache_key_tag\n"
-             "slot_kv.use_prompt_attention('flash_multi_prompt', 'cpu')\n")
+             "assert not torch.compiler.config.cache_key_tag\n")
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-1500:]
     # a CPU engine narrows nothing

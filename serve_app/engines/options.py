@@ -59,7 +59,8 @@ class HFEngineOptions(StrictModel):
         "(docs/gpu_notes.md run 142), paid inside a live pass of several prompts where every decoding row "
         "waits for it; flash builds nothing. The one-prompt passes are captured before ready, so their plans "
         "are built then, and there cuDNN ran faster (an H100's 64-row mixed pass 17.66 against 17.88 ms, "
-        "runs 142 and 146); a one-prompt pass past prefill_graph_tokens pays the plan once per length. A masked attention (a later chunk, mixed_chunk_tokens) gets torch's next pick.",
+        "runs 142 and 146); a one-prompt pass past prefill_graph_tokens pays the plan once per length. "
+        "A masked attention (a later chunk, mixed_chunk_tokens) gets torch's next pick.",
     )
     max_num_seqs: int = Field(
         32, ge=1, le=1024, description="Sequences decoded together in one batch."
