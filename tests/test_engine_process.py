@@ -254,7 +254,9 @@ async def test_a_pushed_stream_paces_a_submitted_request_as_a_coalesced_one():
         t0 = loop.time()
         out = [(loop.time(), c) async for c in _paced_stream(eng, "p", [1, 2, 3], 40, interval_s=0.05)]
         assert "".join(c.text for _, c in out) == "x" * 40  # nothing lost
-        assert len(out[0][1].token_ids) == 1 and out[0][0] - t0 < 0.04  # the first token at once
+        # the first chunk is not held for the interval: it comes at once, with what the engine had made by then
+        # (a loaded box may have made a second 5-ms token); a held one would carry the interval's 10
+        assert out[0][0] - t0 < 0.04 and len(out[0][1].token_ids) <= 3, (out[0][0] - t0, out[0][1].token_ids)
         assert out[-1][1].finish_reason == "length" and out[-1][1].num_generated_tokens == 40
         assert len(out) <= 8, [len(c.token_ids) for _, c in out]  # ~0.2 s of tokens, one message per 50 ms
         gaps = [b - a for (a, _), (b, _) in zip(out[1:-1], out[2:-1])]

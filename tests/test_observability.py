@@ -2,12 +2,14 @@
 promtool, the Grafana dashboard's queries, and traces joined across the
 ingress and the replica, attributed by `seekserve trace top`."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -87,21 +89,52 @@ def traced_app(serve_session, tmp_path_factory):
     serve.delete("traced")  # the session's Ray has 8 CPUs for every module's apps
 
 
-@pytest.mark.slow
-def test_prometheus_scrapes_our_series(serve_session, traced_app, tmp_path):
+@contextlib.contextmanager
+def _prometheus(metrics_port: int, tmp_path: Path):
+    """A real Prometheus scraping Ray's exporter every second; yields its query URL once it is ready.
+
+    Its port comes from _free_port, which another process may take before Prometheus binds it: a Prometheus
+    that exits while starting is started again on a new port, and its log is kept for the failure message."""
     prometheus = _tool("prometheus")
-    port = _free_port()
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global: {scrape_interval: 1s}\n"
         "scrape_configs:\n"
-        f"  - job_name: ray\n    static_configs: [{{targets: ['127.0.0.1:{serve_session['metrics_port']}']}}]\n"
+        f"  - job_name: ray\n    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n"
     )
-    proc = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "prometheus.log"
+    for _ in range(3):
+        port = _free_port()
+        with log.open("w") as err:
+            proc = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                     f"--web.listen-address=127.0.0.1:{port}"],
+                                    stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            proc.terminate()
+            proc.wait(30)
+            continue
+        break
+    else:
+        pytest.fail(f"prometheus did not start in 3 tries: {log.read_text()[-2000:]}")
     try:
-        api = f"http://127.0.0.1:{port}/api/v1/query"
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_our_series(serve_session, traced_app, tmp_path):
+    with _prometheus(serve_session["metrics_port"], tmp_path) as (prom, log):
+        api = f"{prom}/api/v1/query"
 
         def value(q):
             try:
@@ -116,8 +149,12 @@ def test_prometheus_scrapes_our_series(serve_session, traced_app, tmp_path):
             got = value(q)
             return got if got and sum(float(r["value"][1]) for r in got) >= at_least else None
 
-        wait_for(lambda: total('ray_seekserve_requests_total{model="smol-traced",status_code="200"}', 3),
-                 timeout_s=90, interval_s=2)
+        try:
+            # CI once missed this for 90 s with no clue why: wait longer, and say what each side saw
+            wait_for(lambda: total('ray_seekserve_requests_total{model="smol-traced",status_code="200"}', 3),
+                     timeout_s=180, interval_s=2)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; {_scrape_state(prom, serve_session['metrics_port'], log)}") from e
         wait_for(lambda: total('sum(ray_seekserve_time_to_first_token_seconds_count{model="smol-traced"})', 3),
                  timeout_s=60, interval_s=2)
         wait_for(lambda: total('sum(ray_seekserve_generation_tokens_total{model="smol-traced"})', 3),
@@ -128,9 +165,21 @@ def test_prometheus_scrapes_our_series(serve_session, traced_app, tmp_path):
         load = wait_for(lambda: value('ray_seekserve_engine_load_seconds{model="smol-traced"}'), timeout_s=60,
                         interval_s=2)
         assert 0 < float(load[0]["value"][1]) < 300
-    finally:
-        proc.terminate()
-        proc.wait(30)
+
+
+def _scrape_state(prom: str, metrics_port: int, log: Path) -> str:
+    """What a failed wait saw: Prometheus's view of its target, and whether Ray's exporter had the series."""
+    try:
+        targets = [(t["health"], t.get("lastError")) for t in
+                   httpx.get(f"{prom}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]]
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        targets = repr(e)
+    try:
+        raw = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+        exported = [ln for ln in raw.splitlines() if ln.startswith("ray_seekserve_requests_total")]
+    except httpx.HTTPError as e:
+        exported = repr(e)
+    return f"targets {targets}; the exporter's request series {exported}; prometheus log {log.read_text()[-1000:]}"
 
 
 @pytest.mark.slow
