@@ -161,11 +161,10 @@ def test_one_compile_serves_every_decode_bucket_with_the_eager_results():
 def test_two_warm_up_compiles_serve_every_prefill_shape_with_the_eager_results(monkeypatch, narrowed):
     from torch._dynamo.utils import counters
 
-    from serve_app.engines import slot_kv
+    from tests.test_prompt_attention import _engines_narrowing
 
     if narrowed:  # prompt_attention 'flash_multi_prompt' (set on CUDA only): its sdpa_kernel block in the traced pass
-        monkeypatch.setattr(slot_kv, "_MULTI_PROMPT_BACKENDS", None)  # put back afterwards
-        slot_kv.use_prompt_attention("flash_multi_prompt", "cuda")
+        _engines_narrowing(monkeypatch)
     eager, compiled = _eager_and_compiled(compile_step=False)
     with torch.inference_mode():
         compiled.compile_prefill_pass()

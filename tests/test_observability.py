@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -109,19 +108,20 @@ def _prometheus(metrics_port: int, tmp_path: Path):
             proc = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                      f"--web.listen-address=127.0.0.1:{port}"],
                                     stdout=subprocess.DEVNULL, stderr=err)
-        deadline = time.monotonic() + 60
-        while proc.poll() is None and time.monotonic() < deadline:
+
+        def ready():
+            if proc.poll() is not None:
+                return "exited"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5).status_code == 200:
-                    break
+                return httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            proc.terminate()
-            proc.wait(30)
-            continue
-        break
+                return False
+
+        with contextlib.suppress(AssertionError):  # not ready within the minute: as one that exited
+            if wait_for(ready, timeout_s=60, interval_s=0.5) is True:
+                break
+        proc.terminate()
+        proc.wait(30)
     else:
         pytest.fail(f"prometheus did not start in 3 tries: {log.read_text()[-2000:]}")
     try:

@@ -23,6 +23,7 @@ function, and receives its per-row mask through the 4D-mask pass-through of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -100,8 +101,6 @@ def prompt_kernels(prompts: int):
     (torch.nn.attention.sdpa_kernel, which torch.compile traces into the graph, so a compiled pass keeps it;
     Inductor's cache keys on the kernel it lowered to, and AOTAutograd's, which would not, is bypassed for
     that graph, pytorch#194007); otherwise nothing."""
-    import contextlib
-
     if prompts > 1 and _MULTI_PROMPT_BACKENDS is not None:
         from torch.nn.attention import sdpa_kernel
 
