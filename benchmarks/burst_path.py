@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import _option, _options, compare_tag, concurrent_load, prompt_draw  # noqa: E402
+from benchmarks.gpu_engine import _option, compare_tag, live_compare, concurrent_load, prompt_draw  # noqa: E402
 from benchmarks.gpu_stack import ClientLag, http_one, replica_handle, stream_body  # noqa: E402
 from benchmarks.loadgen import (BareClient, add_access_log_arg, add_http_proxy_arg, free_port, percentile,  # noqa: E402
                                save_json, stat_cpu_s)
@@ -246,7 +246,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="a null-engine option as started, e.g. --set launch_lead_ms=8 (the window a closed-loop "
                         "reply has to make the next step is then step_ms - 8)")
-    p.add_argument("--compare", type=_options, default=None, metavar="KEY=JSON[,KEY=JSON]",
+    p.add_argument("--compare", type=live_compare("null"), default=None, metavar="KEY=JSON[,KEY=JSON]",
                    help="null-engine options for the other arm, e.g. first_tokens_first=false")
     p.add_argument("--stream-interval-ms", type=float, default=50.0,
                    help="server.stream_interval_ms (the GPU stack runs' 50)")

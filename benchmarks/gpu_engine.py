@@ -694,6 +694,28 @@ def _options(text: str) -> dict:
     return dict(_option(part) for part in text.split(","))
 
 
+def live_compare(backend: str = "hf"):
+    """The parser of --compare's change (gpu_engine.py, gpu_stack.py, burst_path.py): made on the running
+    engine, so only options ``backend`` reads while running (or the inline decoder's slots. switches); one
+    read at start would leave both arms the same engine under two names, as a compare of prompt_attention did
+    (docs/gpu_notes.md run 148)."""
+    from serve_app.engines.options import live_options
+    from serve_app.engines.registry import options_model_for
+
+    live = live_options(options_model_for(backend))
+
+    def parse(text: str) -> dict:
+        change = _options(text)
+        fixed = sorted(k for k in change if not k.startswith("slots.") and k not in live)
+        if fixed:
+            raise argparse.ArgumentTypeError(
+                f"{fixed} are read when the engine starts, so a running one cannot change them: compare them in "
+                f"two runs (--set); options it reads while running: {', '.join(sorted(live))}")
+        return change
+
+    return parse
+
+
 # 2026-12-02 on the H200: prefill passes of 2048 and 8192 tokens gave the same throughput and 2048 the
 # lower TTFT tail, so 2048 is the main setting. Holding prompts 8 passes against not holding (the default):
 # alone, where prompts arrive in step, holding gains 4-9 %; through the stack it has not paid at sustained
@@ -716,7 +738,7 @@ def main() -> None:
     p.add_argument("--max-positions", type=int, default=None,
                    help="the random 7B's max_position_embeddings (default 4,096), e.g. 131072 with --set "
                         "max_model_len=8192 for configs/gpu-7b.yaml's spans")
-    p.add_argument("--compare", action="append", type=_options, metavar="KEY=JSON[,KEY=JSON]",
+    p.add_argument("--compare", action="append", type=live_compare(), metavar="KEY=JSON[,KEY=JSON]",
                    help="scheduling options for another pair of concurrent runs on the same engine "
                         f"(repeatable); default: {', '.join(compare_tag(c) for c in DEFAULT_COMPARE)} inline, "
                         "none in a separate process")

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from serve_app import gcpause  # noqa: E402
 from benchmarks.gpu_engine import (  # noqa: E402
-    ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, _options, bench_options, compare_tag, concurrent_load, gap_line,
-    gpu_budget_line, pass_line, prompt_draw, think_line)
+    ENGINE_COUNTERS, WARM_PROMPT_SEED, _option, bench_options, compare_tag, concurrent_load, gap_line,
+    gpu_budget_line, live_compare, pass_line, prompt_draw, think_line)
 from serve_app.engines.launch_timing import pass_times_delta  # noqa: E402
 from benchmarks.loadgen import (  # noqa: E402
     add_access_log_arg,
@@ -587,7 +587,7 @@ def main() -> None:
     p.add_argument("--ingress-replicas", type=int, default=4, help="server.ingress_replicas")
     p.add_argument("--set", action="append", default=[], type=_option, metavar="KEY=JSON",
                    help="an engine option over the benchmark's own, e.g. --set compile_decode=false")
-    p.add_argument("--compare", action="append", default=[], type=_options, metavar="KEY=JSON[,KEY=JSON]",
+    p.add_argument("--compare", action="append", default=[], type=live_compare(), metavar="KEY=JSON[,KEY=JSON]",
                    help="after the loads, the same loads again with these engine options changed on the live "
                         "replica, then changed back (repeatable): options the engine reads while it runs, e.g. "
                         "launch_lead_ms=1; each prints against gpu_engine.py's loads under the same --compare")

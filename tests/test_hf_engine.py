@@ -8,7 +8,7 @@ import pytest_asyncio
 
 from serve_app.engines.base import GenerationRequest, SamplingParams
 from serve_app.engines.registry import create_engine
-from serve_app.errors import ContextLengthExceededError, EngineError, OverloadedError
+from serve_app.errors import ContextLengthExceededError, EngineError, InvalidRequestError, OverloadedError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -440,6 +440,10 @@ async def test_prompts_that_wait_together_go_one_per_mixed_pass_by_default(embed
         apart, passes, mixed = await together("all")
         assert passes < len(prompts) and mixed < len(prompts)  # a pass of several prompts
         eng.update_options({"mixed_one_prompt_per_pass": None})
+        # the SDPA kernel is chosen as the engine starts: a live change is refused, not stored unused
+        with pytest.raises(InvalidRequestError, match="prompt_attention"):
+            eng.update_options({"prompt_attention": "auto", "launch_lead_ms": 2.0})
+        assert eng.options.launch_lead_ms != 2.0
         one, passes, mixed = await together("one")
         assert one == apart
         assert passes == mixed == len(prompts)  # each in its own mixed pass

@@ -233,7 +233,7 @@ class LLMServer:
 
     async def update_engine_options(self, changes: dict) -> dict:
         """Changes engine options on this live replica (:meth:`Engine.update_options`: validated, all or
-        nothing, only those read while running take effect) and returns them as set. Reachable through a Serve
+        nothing, and only those the engine reads while running) and returns them as set. Reachable through a Serve
         handle only, not HTTP: for a benchmark's compare of such options on one deployment."""
         return self.engine.update_options(changes)
 

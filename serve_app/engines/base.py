@@ -50,6 +50,8 @@ from pydantic import BaseModel
 
 from serve_app.errors import InvalidRequestError
 
+from .options import live_options
+
 
 @dataclass
 class SamplingParams:
@@ -257,15 +259,21 @@ class Engine(abc.ABC):
         """Stop a request; its stream ends with ``finish_reason="abort"``."""
 
     def update_options(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Changes options on the live engine, validated with the rest first: a bad key or value raises
-        :class:`~serve_app.errors.InvalidRequestError` and changes nothing. Returns the values as set. Only
-        options the backend reads while it runs take effect (hf's ``launch_lead_ms``,
-        ``mixed_one_prompt_per_pass``); those read at start
-        (graphs, cache sizes) keep what they did then. For a benchmark's compare on one live deployment."""
+        """Changes options on the live engine, validated with the rest first. Only options the backend reads
+        while it runs may change (those its options model marks LIVE, e.g. hf's ``launch_lead_ms``,
+        ``mixed_one_prompt_per_pass``): one read at start (graphs, cache sizes, kernels), a bad key or a bad
+        value raises :class:`~serve_app.errors.InvalidRequestError` and changes nothing. Returns the values as
+        set. For a benchmark's compare on one live deployment."""
         try:
             checked = type(self.options).model_validate({**self.options.model_dump(), **changes})
         except ValueError as e:
             raise InvalidRequestError(f"bad engine options {changes}: {e}") from e
+        live = live_options(type(self.options))
+        fixed = sorted(set(changes) - live)
+        if fixed:
+            raise InvalidRequestError(
+                f"engine options {fixed} are read when the {self.name!r} engine starts, so a running one cannot "
+                f"change them: start one with them instead; options it reads while running: {sorted(live)}")
         for key in changes:
             setattr(self.options, key, getattr(checked, key))
         return {key: getattr(checked, key) for key in changes}

@@ -16,6 +16,18 @@ from .slot_kv import PREFILL_GRAPH_STEP  # no torch at import
 
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
 
+# Marks an option the backend reads while it runs (json_schema_extra), the only kind Engine.update_options
+# changes on a live engine: a change to one read at start (graphs, cache sizes, kernels) would be stored and
+# reported but run nothing new, as a benchmark's compare of prompt_attention once did (docs/gpu_notes.md run 148)
+LIVE = {"live": True}
+
+
+def live_options(model: type[StrictModel]) -> frozenset[str]:
+    """The options of ``model`` marked LIVE."""
+    return frozenset(name for name, field in model.model_fields.items()
+                     if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("live"))
+
+
 class HFEngineOptions(StrictModel):
     model: str = Field(
         EMBEDDED_SMOLLM2,
@@ -50,17 +62,20 @@ class HFEngineOptions(StrictModel):
         "sdpa", description="transformers attention kernel."
     )
     prompt_attention: Literal["flash", "flash_multi_prompt", "auto"] = Field(
-        "flash",
+        "flash_multi_prompt",
         description="Static KV path on CUDA: the kernel torch's scaled_dot_product_attention runs prompts' "
-        "attention with (prefill and mixed passes; decode attention is the engine's own). 'flash' turns "
-        "cuDNN's attention off in the engine's process; 'flash_multi_prompt' leaves cuDNN out of passes of "
-        "several prompts only; 'auto' leaves torch's pick. Why: torch 2.11 picks cuDNN on Hopper, which builds "
+        "attention with (prefill and mixed passes; decode attention is the engine's own). 'flash_multi_prompt' "
+        "leaves cuDNN out of passes of several prompts only; 'flash' turns cuDNN's attention off in the "
+        "engine's process; 'auto' leaves torch's pick. Why: torch 2.11 picks cuDNN on Hopper, which builds "
         "an execution plan the first time each (prompts, length) shape runs, 37 ms a new shape on an H100 "
         "(docs/gpu_notes.md run 142), paid inside a live pass of several prompts where every decoding row "
         "waits for it; flash builds nothing. The one-prompt passes are captured before ready, so their plans "
-        "are built then, and there cuDNN ran faster (an H100's 64-row mixed pass 17.66 against 17.88 ms, "
-        "runs 142 and 146); a one-prompt pass past prefill_graph_tokens pays the plan once per length. "
-        "A masked attention (a later chunk, mixed_chunk_tokens) gets torch's next pick.",
+        "are built then, and there cuDNN runs faster: on one H100, 7B, 64 concurrent x 10 requests, the "
+        "engine alone, 'flash_multi_prompt' against 'flash' 4,439-4,468 against 4,350-4,398 tok/s, its "
+        "64-row mixed pass 17.99-18.06 against 18.23-18.40 ms, and a first multi-prompt pass costs no more "
+        "than its later ones with either (docs/gpu_notes.md runs 147-150). A one-prompt pass past "
+        "prefill_graph_tokens pays the plan once per length. A masked attention (a later chunk, "
+        "mixed_chunk_tokens) gets torch's next pick. Read at start: a running engine cannot change it.",
     )
     max_num_seqs: int = Field(
         32, ge=1, le=1024, description="Sequences decoded together in one batch."
@@ -70,6 +85,7 @@ class HFEngineOptions(StrictModel):
         ge=0,
         le=100_000,
         description="Bound of the engine's waiting queue; past it requests get 429.",
+        json_schema_extra=LIVE,
     )
     max_kv_tokens: int = Field(
         65_536,
@@ -90,7 +106,8 @@ class HFEngineOptions(StrictModel):
         "available memory instead.",
     )
     max_prefill_tokens: int = Field(
-        4096, ge=16, description="Padded prompt tokens one prefill forward pass may take."
+        4096, ge=16, description="Padded prompt tokens one prefill forward pass may take.",
+        json_schema_extra=LIVE,
     )
     max_prefill_wait_steps: int = Field(
         0, ge=0, le=1000,
@@ -102,6 +119,7 @@ class HFEngineOptions(StrictModel):
         "concurrent with the engine alone, where prompts arrive in step, but through the Ray Serve stack, "
         "where they arrive jittered, -1 to +8 % at 3 requests per stream and -1 % at 10, for 48-71 ms "
         "more TTFT p50 at 10 (docs/gpu_notes.md runs 44-52, docs/engines.md).",
+        json_schema_extra=LIVE,
     )
     prefill_hold_min_running: float = Field(
         0.5, ge=0.0, le=1.0,
@@ -109,6 +127,7 @@ class HFEngineOptions(StrictModel):
         "rows decode. A prefill pass stalls every running stream, so merging passes gains in proportion "
         "to how many run, while the held prompt's wait costs the same either way. 0: hold whenever "
         "anything decodes.",
+        json_schema_extra=LIVE,
     )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length; default: the model's max_position_embeddings."
@@ -197,6 +216,7 @@ class HFEngineOptions(StrictModel):
         "off, the 7B at 64 concurrent x 10 requests, the engine alone: H200 +1.9 % tok/s, TTFT p95 155 -> 73 "
         "ms; H100 +1.6 %, p95 154 -> 60 ms, the full stack 100 % of it and +0.5 ms on the median; at 64 x 3 "
         "the median rises ~10 ms on both cards (docs/gpu_notes.md runs 138, 142-143).",
+        json_schema_extra=LIVE,
     )
     launch_lead_ms: float | None = Field(
         1.0, ge=0.0, le=1000.0,
@@ -214,6 +234,7 @@ class HFEngineOptions(StrictModel):
         "-11 to +8 ms, tok/s within 0.3 % at 64 x 10 and 1.4 % at 32, either way; the engine alone no "
         "different beyond its spread; the GPU idle between passes the same (~2 % of a load). 0.5 ms doubled "
         "the late launches (2.5 % idle against 1.5 % between pipelined passes, the engine's gpu_gap_total_ms).",
+        json_schema_extra=LIVE,
     )
     rank_step_timeout_s: float = Field(
         300.0, gt=0, le=3600,
@@ -268,15 +289,18 @@ class HFEngineOptions(StrictModel):
 
 class NullEngineOptions(StrictModel):
     num_tokens: int = Field(
-        16, ge=1, le=100_000, description="Tokens emitted per request (capped by max_tokens)."
+        16, ge=1, le=100_000, description="Tokens emitted per request (capped by max_tokens).",
+        json_schema_extra=LIVE,
     )
     tokens_per_s: float = Field(
-        0.0, ge=0.0, description="Emission rate per request; 0 emits as fast as possible."
+        0.0, ge=0.0, description="Emission rate per request; 0 emits as fast as possible.",
+        json_schema_extra=LIVE,
     )
-    token_text: str = Field(" tok", description="Text of every emitted token.")
+    token_text: str = Field(" tok", description="Text of every emitted token.", json_schema_extra=LIVE)
     max_num_seqs: int = Field(256, ge=1, description="Requests generating at once.")
     max_waiting_requests: int = Field(
-        1024, ge=0, description="Bound of the waiting queue; past it requests get 429."
+        1024, ge=0, description="Bound of the waiting queue; past it requests get 429.",
+        json_schema_extra=LIVE,
     )
     max_model_len: int = Field(4096, ge=16, description="Context length it pretends to have.")
     step_ms: float = Field(
@@ -287,15 +311,21 @@ class NullEngineOptions(StrictModel):
     launch_lead_ms: float = Field(
         0.0, ge=0.0, description="With step_ms: the next step's requests are picked this long before the step in "
         "flight ends, as hf's launch_lead_ms picks a pass's prompts (0: at its end). A request that arrives later "
-        "waits one step more, so the window a reply has to make the next step is step_ms - launch_lead_ms.")
+        "waits one step more, so the window a reply has to make the next step is step_ms - launch_lead_ms.",
+        json_schema_extra=LIVE,
+    )
     first_tokens_first: bool = Field(
         True, description="With step_ms: a step hands out the first tokens of the requests it admits before "
         "the running rows' tokens, as hf's mixed passes do; False puts them after, to measure what the order "
-        "costs (benchmarks/burst_path.py).")
+        "costs (benchmarks/burst_path.py).",
+        json_schema_extra=LIVE,
+    )
     finishing_first: bool = Field(
         True, description="With step_ms: a step hands out the last tokens of the requests it ends before the other "
         "rows' tokens, as hf does, since a closed-loop client's next request waits for them; False keeps the rows' "
-        "order, to measure what that costs (benchmarks/burst_path.py).")
+        "order, to measure what that costs (benchmarks/burst_path.py).",
+        json_schema_extra=LIVE,
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "NullEngineOptions":
@@ -351,9 +381,12 @@ class TRTLLMEngineOptions(StrictModel):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across iterations.")
     lora: LoraAdapters | None = Field(None, description="LoRA adapters, loaded on demand.")
     max_waiting_requests: int = Field(
-        512, ge=0, description="Requests admitted beyond max_batch_size before 429 (TRT-LLM's queue is unbounded)."
+        512, ge=0, json_schema_extra=LIVE,
+        description="Requests admitted beyond max_batch_size before 429 (TRT-LLM's queue is unbounded).",
     )
-    stats_interval_s: float = Field(1.0, gt=0, description="How often iteration stats are polled.")
+    stats_interval_s: float = Field(
+        1.0, gt=0, description="How often iteration stats are polled.", json_schema_extra=LIVE
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "TRTLLMEngineOptions":
