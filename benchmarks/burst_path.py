@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_engine import _option, compare_tag, live_compare, concurrent_load, prompt_draw  # noqa: E402
+from benchmarks.gpu_engine import _option, compare_tag, concurrent_load, live_compare, prompt_draw  # noqa: E402
 from benchmarks.gpu_stack import ClientLag, http_one, replica_handle, stream_body  # noqa: E402
 from benchmarks.loadgen import (BareClient, add_access_log_arg, add_http_proxy_arg, free_port, percentile,  # noqa: E402
                                save_json, stat_cpu_s)

@@ -261,9 +261,9 @@ class Engine(abc.ABC):
     def update_options(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Changes options on the live engine, validated with the rest first. Only options the backend reads
         while it runs may change (those its options model marks LIVE, e.g. hf's ``launch_lead_ms``,
-        ``mixed_one_prompt_per_pass``): one read at start (graphs, cache sizes, kernels), a bad key or a bad
-        value raises :class:`~serve_app.errors.InvalidRequestError` and changes nothing. Returns the values as
-        set. For a benchmark's compare on one live deployment."""
+        ``mixed_one_prompt_per_pass``). A change to one read at start (graphs, cache sizes, kernels), an
+        unknown key or a bad value raises :class:`~serve_app.errors.InvalidRequestError` and changes
+        nothing. Returns the values as set. For a benchmark's compare on one live deployment."""
         try:
             checked = type(self.options).model_validate({**self.options.model_dump(), **changes})
         except ValueError as e:
