@@ -17,6 +17,8 @@
 # Why one script: a call's command line is 2,000 characters, the machine goes back 30 s after a call, and a
 # fresh one costs minutes to start (often more: docs/gpu_notes.md), so each call does as much as fits its
 # 600 s and packs the compile cache (inductor_cache.py) whatever happened, for the next call or machine.
+# CALL_S=N (default 565) ends the measured script N s after the call began, for a call whose limit_s is under
+# 600 (little device time left), so the script stops itself and its partial files still come back.
 # Runs 119-126 (2026-12-06) came from it: their commands are in docs/benchmarks.md and docs/gpu_notes.md.
 T0=$SECONDS
 nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,power.limit --format=csv
@@ -45,15 +47,15 @@ if [ "$mode" = firstuse ] || [ "$mode" = probe ]; then
   mode=engine
 fi
 if [ "$mode" = answers ]; then
-  left=$((565 - SECONDS + T0))
+  left=$((${CALL_S:-565} - SECONDS + T0))
   timeout $left python3 benchmarks/gpu_answers_check.py --tokenizer .bench_assets --out $OUT/ac "$@" > $OUT/answers-log.txt 2>&1
   echo "answers rc=$? at $((SECONDS-T0)) s"; grep -v "Loading weights\|Writing model" $OUT/answers-log.txt | tail -30
 elif [ "$mode" = engine ]; then
-  left=$((565 - SECONDS + T0))
+  left=$((${CALL_S:-565} - SECONDS + T0))
   timeout $left python3 benchmarks/gpu_engine.py --tokenizer .bench_assets --set mixed_graph_tokens=512 "$@" --engine-process separate --think-ms 0 --skip-probes --out $OUT/eo > $OUT/engine-log.txt 2>&1
   echo "engine rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/engine-log.txt
 elif [ "$mode" = stack ]; then
-  left=$((565 - SECONDS + T0))
+  left=$((${CALL_S:-565} - SECONDS + T0))
   f=$(ls -t /tmp/seekserve-bench/last_engine/gpu_engine*.json | head -1); [ -n "$f" ] && cp $f $OUT/eo/gpu_engine.json; echo "engine to compare: $f"
   timeout $left python3 benchmarks/gpu_stack.py --tokenizer .bench_assets --concurrency 32 64 --steady-rounds 10 --set mixed_graph_tokens=512 "$@" --http-proxy haproxy --ingress direct --think-ms 0 --clients bare --out $OUT/eo > $OUT/stack-log.txt 2>&1
   echo "stack rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/stack-log.txt
