@@ -46,16 +46,14 @@ if [ "$mode" = firstuse ] || [ "$mode" = probe ]; then
   [ "$mode" = probe ] && exit 0  # no engine, so no compile cache to pack
   mode=engine
 fi
+left=$((${CALL_S:-565} - SECONDS + T0))  # what the measured script may use of the call
 if [ "$mode" = answers ]; then
-  left=$((${CALL_S:-565} - SECONDS + T0))
   timeout $left python3 benchmarks/gpu_answers_check.py --tokenizer .bench_assets --out $OUT/ac "$@" > $OUT/answers-log.txt 2>&1
   echo "answers rc=$? at $((SECONDS-T0)) s"; grep -v "Loading weights\|Writing model" $OUT/answers-log.txt | tail -30
 elif [ "$mode" = engine ]; then
-  left=$((${CALL_S:-565} - SECONDS + T0))
   timeout $left python3 benchmarks/gpu_engine.py --tokenizer .bench_assets --set mixed_graph_tokens=512 "$@" --engine-process separate --think-ms 0 --skip-probes --out $OUT/eo > $OUT/engine-log.txt 2>&1
   echo "engine rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/engine-log.txt
 elif [ "$mode" = stack ]; then
-  left=$((${CALL_S:-565} - SECONDS + T0))
   f=$(ls -t /tmp/seekserve-bench/last_engine/gpu_engine*.json | head -1); [ -n "$f" ] && cp $f $OUT/eo/gpu_engine.json; echo "engine to compare: $f"
   timeout $left python3 benchmarks/gpu_stack.py --tokenizer .bench_assets --concurrency 32 64 --steady-rounds 10 --set mixed_graph_tokens=512 "$@" --http-proxy haproxy --ingress direct --think-ms 0 --clients bare --out $OUT/eo > $OUT/stack-log.txt 2>&1
   echo "stack rc=$? at $((SECONDS-T0)) s"; tail -30 $OUT/stack-log.txt
