@@ -5,7 +5,10 @@
 # engine call on the same warm machine, whose cache it finds there; ray_bundle.py --engine-only builds
 # .enginebundle: no Ray, 2.5 MB; both bundles hold the tokenizer, bench_assets.tar.xz):
 #   bash benchmarks/device_call.sh first          # the KV memory check, then the engine in fp8 (scales in the
-#                                                 # epilogue, the default), then the cache packed
+#                                                 # epilogue, the default), then the cache packed; on a
+#                                                 # machine whose FP8 kernels are not in the carried cache
+#                                                 # the FP8 compile alone outruns one call (runs 120, 158:
+#                                                 # docs/gpu_notes.md): there run `engine --set` calls instead
 #   bash benchmarks/device_call.sh answers [--cases ...]          # the fast paths' answers against eager ones
 #                                                 # (gpu_answers_check.py: float32, bf16, fp8), then the cache packed
 #   bash benchmarks/device_call.sh engine [--set KEY=JSON ...]   # the engine alone (gpu_engine.py)
